@@ -1,0 +1,2579 @@
+"""
+flow_grpo.py - Flow-GRPO in one file: train the planner of a tool-using agent with a single reward.
+
+THE SYSTEM. A question is answered in turns. At turn t the *planner* (the only model we train: a LoRA
+adapter on an instruct LLM) reads the state s_t = question + query analysis + tool descriptions + memory
+of earlier steps, and writes a plan a_t (JSON: justification, context, sub_goal, tool_name). A frozen
+*executor* turns the plan into a structured tool call, the *tool* runs, its result goes to *memory*, and a
+frozen *verifier* says STOP or CONTINUE. At the end a frozen *generator* writes the final answer and a
+*judge* compares it with the ground truth: one reward R(tau) in {0, 1} for the whole trajectory.
+
+        question --> [query analysis] --> +--> PLANNER (trained) --> executor --> tool --> memory --+
+                                          |                                                         |
+                                          +------------------ verifier: CONTINUE <-----------------+
+                                                              verifier: STOP --> final answer --> judge --> R
+
+THE OBJECTIVE. Flow-GRPO broadcasts the one trajectory reward to every planner turn of that trajectory and
+normalises it inside the group of G trajectories sampled for the same question:
+
+    A_i = (R_i - mean(R_1..R_G)) / (std(R_1..R_G) + eps)              same A_i for every turn t of tau_i
+    J(theta) = E[ 1/G sum_i 1/T_i sum_t 1/|a_it| sum_j min(rho_itj A_i, clip(rho_itj, 1-eps_lo, 1+eps_hi) A_i)
+                  - beta * KL_k3(pi_theta || pi_ref) ]
+    rho_itj = pi_theta(a_itj | s_it, a_it<j) / pi_old(a_itj | s_it, a_it<j)          (per token, not per sequence)
+    KL_k3 per token = exp(ref_logp - logp) - (ref_logp - logp) - 1                     (unbiased, always >= 0)
+
+Every turn is trained with ITS OWN prompt s_it, which already holds the memory and tool outputs as text, so no
+environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the base model:
+the same weights with the LoRA adapter switched off (peft's disable_adapter()), so there is no second copy.
+
+HOW TO RUN
+    python prepare_data.py                          # data/train/combined_train.parquet + data/val/aime24.parquet
+    python flow_grpo.py                             # train Qwen2.5-1.5B-Instruct's planner on one CUDA GPU
+    python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
+    python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
+    python flow_grpo.py --preset smoke --max-steps 3   # offline CPU run on a tiny random model
+    python -m pytest -q test_flow_grpo.py              # the tests (CPU, offline)
+
+DELIBERATE SIMPLIFICATIONS (and why)
+  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM)
+    run by default on the *frozen base* of the policy (adapter off) in-process, so no server is needed. Point
+    --fixed-base-url at a vLLM/OpenAI server to use a bigger fixed model, as the paper does.
+  * Rollouts use our own 25-line sampling loop instead of model.generate() or vLLM: it samples from exactly
+    softmax(logits / T), so the log-probs we store are the behaviour policy's. (generate() silently fills top-k,
+    top-p and repetition penalty from the model's hub config; then the stored log-probs would be wrong.)
+    At scale you would sample with vLLM and recompute old log-probs (--old-logprobs recompute, the default).
+  * The rule judge (numbers and normalised text) is the default reward; an LLM judge is optional and falls
+    back to the rule whenever it fails.
+  * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so the ratio pi/pi_old
+    would not be 1 before any update and the clip would fire on noise.
+  * The executor emits a JSON tool call that we validate against the tool's input schema; model-written code
+    only ever runs in a sandboxed subprocess (run_python), never in this process.
+  * The Google search tool of the original article needs a proprietary SDK and is left out; Wikipedia and
+    web-page RAG are included, ranked with BM25 (no API key needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import copy
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import warnings
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+# Heavy imports (torch, transformers, peft, openai, ...) stay inside the functions that need them where that
+# keeps `--help` fast; torch and pydantic are used everywhere below, so they are imported once here.
+import requests
+import torch
+import wikipedia
+from bs4 import BeautifulSoup
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# bitsandbytes (imported by peft) warns on CPU-only machines that its optional CPU kernels are missing.
+warnings.filterwarnings("ignore", message="Failed to load CPU gemm_4bit")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
+
+# =====================================================================================================
+# 2. Config
+# =====================================================================================================
+
+
+@dataclass
+class Config:
+    # --- what to do (default: train) ---
+    ask: str = ""  # run the agent once on this question and print the whole trajectory
+    eval: bool = False  # evaluate the planner greedily on --val-file and print accuracy
+    benchmark: bool = False  # time lockstep vs one-at-a-time rollouts, remote concurrency, update memory
+    learning_curve: bool = False  # train the tiny model on the toy task for 3 seeds, print reward per step
+    preset: str = ""  # 'smoke' = tiny random model, sample data, CPU, offline (other flags still override)
+    # --- models and engines ---
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id or local path ('tiny' = random tiny Qwen2)
+    adapter: str = ""  # a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training
+    fixed_base_url: str = ""  # OpenAI-compatible URL for the fixed roles; empty = frozen base in-process
+    fixed_model: str = ""  # model name served at --fixed-base-url
+    judge: str = "rule"  # reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)
+    judge_base_url: str = ""  # OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)
+    judge_model: str = ""  # model name of the LLM judge
+    api_key_env: str = "OPENAI_API_KEY"  # name of the env variable holding the API key (never printed)
+    request_timeout_s: float = 120.0  # timeout of one remote request
+    device: str = "auto"  # 'auto' (cuda if available), 'cuda' or 'cpu'
+    load_in_4bit: bool = False  # QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)
+    gradient_checkpointing: bool = False  # trade compute for memory in the update
+    # --- data ---
+    train_file: str = "data/train/combined_train.parquet"  # training parquet from prepare_data.py
+    val_file: str = "data/val/aime24.parquet"  # validation parquet for --eval
+    eval_limit: int = 0  # evaluate on the first N validation questions only (0 = all)
+    # --- the agent ---
+    tools: str = "Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,Web_RAG_Search_Tool"  # comma list
+    max_turns: int = 5  # planner turns per trajectory at most
+    max_new_tokens: int = 256  # longest planner action, in tokens
+    fixed_max_tokens: int = 512  # longest output of a fixed role or a tool's LLM call
+    memory_chars: int = 2000  # each tool result is cut to this many characters in memory
+    tool_timeout_s: float = 10.0  # wall-clock limit of one tool call (Python sandbox, web requests)
+    tool_workers: int = 8  # tool calls running at once
+    # --- rollout and Flow-GRPO ---
+    batch_size: int = 4  # B: questions per training step
+    group_size: int = 8  # G: trajectories sampled per question (the GRPO group)
+    temperature: float = 0.7  # sampling temperature of the planner during rollouts
+    adv_scale: str = "group"  # advantage scaling: 'group' std, 'batch' std, or 'none'
+    agg: str = "turn"  # loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.3  # ratio clipped above at 1 + clip_high (asymmetric, "clip-higher")
+    kl_coef: float = 0.001  # beta: weight of the k3 KL to the base model
+    old_logprobs: str = "recompute"  # pi_old: 'recompute' (one no-grad pass before updating) or 'captured'
+    ppo_epochs: int = 1  # passes over each rollout batch
+    num_minibatches: int = 1  # optimizer steps per pass (the batch is split by trajectory)
+    micro_batch_size: int = 4  # turn rows per forward/backward (gradient accumulation inside a minibatch)
+    # --- optimisation ---
+    lr: float = 1e-5  # AdamW learning rate of the LoRA weights
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 5  # linear warmup steps before the cosine decay
+    max_steps: int = 200  # training steps (one rollout batch each)
+    max_grad_norm: float = 1.0  # gradient-norm clip
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA alpha (scale = alpha / r)
+    lora_dropout: float = 0.0  # LoRA dropout (0: keeps ratio == 1 before the first update; see header)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules that get LoRA
+    # --- bookkeeping ---
+    seed: int = 42  # seed of data order, sampling and initialisation
+    output_dir: str = "runs/flow_grpo"  # metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here
+    save_every: int = 25  # save a checkpoint every N steps (and at the end, and on Ctrl-C)
+    log_rollouts: int = 2  # full trajectories written to rollouts.jsonl per step
+    resume: bool = False  # continue from the newest checkpoint in --output-dir
+
+
+# Presets change defaults; flags given on the command line still win.
+PRESETS: dict[str, dict[str, Any]] = {
+    "smoke": dict(
+        model="tiny", device="cpu", train_file="data/sample/train/combined_train.parquet",
+        val_file="data/sample/val/aime24.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
+        batch_size=2, group_size=4, max_turns=2, max_new_tokens=24, fixed_max_tokens=16, micro_batch_size=8,
+        lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
+    ),
+}
+
+AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
+
+# One line of help per field, read from the comment after it, so the dataclass stays the one place to look.
+_HELP = dict(re.findall(r"^    (\w+): [^=]+= .*?  # (.*)$", Path(__file__).read_text(), re.M))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """argparse from the Config dataclass: --max-steps, --lr, ... each with its help line.
+    Defaults are SUPPRESSed so that parse_args returns only the flags the user typed (they beat presets)."""
+    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent "
+                                "(the header of flow_grpo.py explains the method).")
+    for f in dataclasses.fields(Config):
+        flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
+        helptext = f"{_HELP.get(f.name, '')} (default: {f.default!r})"
+        if kind is bool:  # booleans are switches; --no-x turns one off again
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=helptext)
+        else:
+            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext, metavar=kind.__name__.upper())
+    return p
+
+
+def parse_config(argv: Optional[list[str]] = None) -> Config:
+    """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
+    parser = build_parser()
+    typed = vars(parser.parse_args(argv))
+    preset = typed.get("preset", "")
+    if preset and preset not in PRESETS:
+        parser.error(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    cfg = Config(**{**PRESETS.get(preset, {}), **typed})
+    for name, choices in [("agg", AGGREGATIONS), ("adv_scale", ("group", "batch", "none")),
+                          ("judge", ("rule", "llm")), ("old_logprobs", ("recompute", "captured")),
+                          ("device", ("auto", "cuda", "cpu"))]:
+        if getattr(cfg, name) not in choices:
+            parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
+    return cfg
+
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# =====================================================================================================
+# 3. LLM engines: one interface that returns text, or a validated pydantic object
+# =====================================================================================================
+# Every frozen role (query analysis, executor, verifier, final answer, the tools' own LLM calls, the LLM
+# judge) talks to an Engine through one method: generate(prompts, schema=None) -> one result per prompt.
+# With a schema the result is an instance of it, or None when the model's text could not be turned into one.
+# The tolerant parser sits here, first, because every engine needs it.
+
+
+def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
+    """Model text -> `schema` instance, or None. Never raises.
+
+    Tries, in order: the text as strict JSON; the first ```json fenced block; the outermost {...} span; and
+    finally json_repair, which mends single quotes, trailing commas, truncation and prose around the JSON.
+    Note: json_repair.loads already RETURNS a Python object - calling json.loads on it again (as the original
+    article did) fails on every input, so every plan looked unparseable.
+        parse_structured('Sure! ```json\\n{"stop_signal": true, "analysis": "ok"}\\n```', Verification)
+        -> Verification(analysis='ok', stop_signal=True)
+    """
+    import json_repair
+
+    if isinstance(text, schema):
+        return text
+    if not isinstance(text, str) or not text.strip():
+        return None
+    candidates = [text]
+    fence = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
+    if fence:
+        candidates.append(fence.group(1))
+    start, end = text.find("{"), text.rfind("}")
+    if 0 <= start < end:
+        candidates.append(text[start:end + 1])
+    for cand in candidates:  # strict first: cheap, and never "repairs" valid JSON into something else
+        try:
+            return schema.model_validate_json(cand.strip())
+        except Exception:
+            pass
+    for cand in candidates[1:] + [text[start:] if start >= 0 else text]:
+        try:
+            obj = json_repair.loads(cand)
+            if isinstance(obj, list):  # "[{...}]": a model that wrapped its object in a list
+                obj = next((o for o in obj if isinstance(o, dict)), None)
+            if isinstance(obj, dict):
+                return schema.model_validate(obj)
+        except Exception:
+            pass
+    return None
+
+
+def schema_instruction(schema: type[BaseModel]) -> str:
+    """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
+    props = schema.model_json_schema().get("properties", {})
+    lines = [f'- "{k}" ({v.get("type", "any")}): {v.get("description", "")}' for k, v in props.items()]
+    return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
+
+
+class Engine:
+    """The interface. Subclasses implement _complete(prompts, max_tokens) -> list[str]."""
+
+    max_tokens: int = 512
+
+    def generate(self, prompts: list[str], *, schema: Optional[type[BaseModel]] = None,
+                 max_tokens: Optional[int] = None) -> list[Any]:
+        full = [p + schema_instruction(schema) if schema else p for p in prompts]
+        texts = self._complete(full, max_tokens or self.max_tokens, schema)
+        return [parse_structured(t, schema) for t in texts] if schema else texts
+
+    def ask(self, prompt: str, *, schema: Optional[type[BaseModel]] = None, max_tokens: Optional[int] = None) -> Any:
+        """One prompt, one result: the same as generate([prompt])[0]."""
+        return self.generate([prompt], schema=schema, max_tokens=max_tokens)[0]
+
+    def _complete(self, prompts: list[str], max_tokens: int, schema: Optional[type[BaseModel]]) -> list[str]:
+        raise NotImplementedError
+
+
+class OpenAIEngine(Engine):
+    """Any OpenAI-compatible chat endpoint: a vLLM server (`vllm serve MODEL`) or OpenAI itself.
+
+    Robust by construction: a per-request timeout, retries with exponential backoff on connection errors,
+    timeouts, 429s and 5xx, and bounded concurrency for batches (a thread per in-flight request, at most
+    `workers`). The API key is read from an environment variable and never stored in a printable field.
+    A request that still fails returns "" (or None for a schema) and is counted in `failures`: one flaky
+    call must not end a training run.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 120.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16, max_tokens: int = 512,
+                 temperature: float = 0.0):
+        from openai import OpenAI
+
+        # vLLM started without --api-key accepts any key, so a missing variable is not an error.
+        self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",
+                              timeout=timeout_s, max_retries=0)  # retries are ours: visible and testable
+        self.model, self.max_retries, self.backoff_s, self.workers = model, max_retries, backoff_s, workers
+        self.max_tokens, self.temperature = max_tokens, temperature
+        self.json_schema_supported = True  # flips to False the first time the server rejects response_format
+        self.failures = 0
+
+    def __repr__(self) -> str:  # never show the client (it holds the key)
+        return f"OpenAIEngine(model={self.model!r})"
+
+    def _complete(self, prompts, max_tokens, schema):
+        if len(prompts) == 1:
+            return [self._one(prompts[0], max_tokens, schema)]
+        with ThreadPoolExecutor(max_workers=min(self.workers, len(prompts))) as pool:
+            return list(pool.map(lambda p: self._one(p, max_tokens, schema), prompts))
+
+    def _one(self, prompt: str, max_tokens: int, schema) -> str:
+        import openai
+
+        request = dict(model=self.model, messages=[{"role": "user", "content": prompt}],
+                       max_tokens=max_tokens, temperature=self.temperature)
+        for attempt in range(self.max_retries + 1):
+            if schema is not None and self.json_schema_supported:  # vLLM and OpenAI constrain decoding to it
+                request["response_format"] = {"type": "json_schema", "json_schema": {
+                    "name": schema.__name__, "schema": schema.model_json_schema()}}
+            else:
+                request.pop("response_format", None)
+            try:
+                reply = self._client.chat.completions.create(**request)
+                return reply.choices[0].message.content or ""
+            except openai.BadRequestError as e:
+                if "response_format" in request:  # this server has no structured output: prompt-only from now on
+                    self.json_schema_supported = False
+                    continue
+                log(f"[engine] request rejected: {str(e)[:200]}")
+                break
+            except (openai.APIConnectionError, openai.APITimeoutError, openai.RateLimitError,
+                    openai.InternalServerError) as e:
+                if attempt == self.max_retries:
+                    log(f"[engine] giving up after {attempt + 1} tries: {type(e).__name__}")
+                    break
+                time.sleep(self.backoff_s * 2 ** attempt * (1 + 0.25 * random.random()))  # jitter: no herds
+            except openai.OpenAIError as e:
+                log(f"[engine] {type(e).__name__}: {str(e)[:200]}")
+                break
+        self.failures += 1
+        return ""
+
+
+def render_chat(tokenizer, prompt: str) -> str:
+    """A user message in the model's own chat template, ending where the assistant's reply begins."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+@contextlib.contextmanager
+def adapter_disabled(model):
+    """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield
+    else:
+        yield
+
+
+# ChatML, the template of Qwen's instruct models, so the tiny model sees prompts shaped like the real one's.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_model(seed: int = 0):
+    """A random tiny Qwen2ForCausalLM (~0.1M parameters) and a byte-level tokenizer built in memory.
+
+    No download: this is what the smoke preset and the tests run on. The tokenizer has one token per byte
+    (256) plus Qwen's three special tokens, so it can encode and decode any text. Its outputs are noise -
+    the point is that every code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is real.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=specials[1:])
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), tokenizer
+
+
+class LocalEngine(Engine):
+    """In-process greedy generation with transformers, on the policy's weights.
+
+    use_adapter=False (the fixed roles): the LoRA adapter is switched off, so this IS the frozen base model and
+    costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
+    Calls are serialised with a lock: the adapter switch is global model state, and tools call the engine
+    from several threads. Prompts are batched `batch_size` at a time, left-padded (generation appends on the
+    right, so all rows must END at the same column).
+    """
+
+    def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 16):
+        self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
+        self.max_tokens, self.batch_size = max_tokens, batch_size
+        self._lock = threading.Lock()
+
+    def _complete(self, prompts, max_tokens, schema):
+        gen_cfg = copy.deepcopy(self.model.generation_config)
+        # Greedy: deterministic answers from the fixed roles. Sampling knobs are cleared so none applies.
+        gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
+                       pad_token_id=self.tokenizer.pad_token_id)
+        outs: list[str] = []
+        switch = contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model)
+        with self._lock, switch, torch.no_grad():
+            for i in range(0, len(prompts), self.batch_size):
+                chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
+                enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
+                                     add_special_tokens=False).to(self.model.device)
+                ids = self.model.generate(**enc, generation_config=gen_cfg)
+                outs += self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return outs
+
+
+# =====================================================================================================
+# 4. Structured outputs: what each role must answer
+# =====================================================================================================
+# The field descriptions are shown to the models (schema_instruction) and, for a remote engine, sent as a
+# JSON schema that vLLM/OpenAI enforce while decoding.
+
+
+class QueryAnalysis(BaseModel):
+    """First step: what the question asks and which skills and tools may help."""
+    concise_summary: str = Field(description="the question in one sentence")
+    required_skills: str = Field(description="skills needed to answer it")
+    relevant_tools: str = Field(description="which of the available tools may help, and why")
+    additional_considerations: str = Field(default="", description="traps, units, answer format")
+
+
+class NextStep(BaseModel):
+    """The planner's action a_t: THE text that Flow-GRPO trains."""
+    justification: str = Field(description="why this tool is the right next step")
+    context: str = Field(description="facts from the question and memory that the tool needs")
+    sub_goal: str = Field(description="what this one step must achieve")
+    tool_name: str = Field(description="exactly one tool name from the list")
+
+
+class ToolCall(BaseModel):
+    """The executor's output: a tool name and JSON arguments, validated against the tool's input schema."""
+    tool_name: str = Field(description="the tool chosen by the planner")
+    arguments: dict[str, Any] = Field(description="the tool's arguments as a JSON object")
+
+
+class Verification(BaseModel):
+    """The verifier's verdict after each step."""
+    analysis: str = Field(description="is the question fully answered by the memory? what is missing?")
+    stop_signal: bool = Field(description="true to STOP and answer now, false to CONTINUE")
+
+
+class TitleSelection(BaseModel):
+    """Wikipedia tool: which search results to read."""
+    titles: list[str] = Field(description="up to 3 page titles copied exactly from the candidate list")
+
+
+class JudgeVerdict(BaseModel):
+    """LLM judge: is the final answer equivalent to the ground truth?"""
+    analysis: str = Field(description="compare the two answers briefly")
+    correct: bool = Field(description="true if the answer is equivalent to the ground truth")
+
+
+# =====================================================================================================
+# 5. Memory
+# =====================================================================================================
+
+
+def json_safe(obj: Any, max_chars: int = 2000) -> Any:
+    """Make a tool result JSON-serialisable and short enough for a prompt: strings are cut, containers
+    are walked, anything else becomes its repr(). json_safe("x" * 10, 6) -> 'xxx...'"""
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return obj if not (isinstance(obj, float) and not math.isfinite(obj)) else str(obj)
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v, max_chars) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [json_safe(v, max_chars) for v in obj]
+    text = obj if isinstance(obj, str) else repr(obj)
+    return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
+
+
+@dataclass
+class Memory:
+    """What the agent has done so far: one record per step, shown to the planner and the verifier."""
+    max_chars: int = 2000  # per result: long tool outputs must not crowd the prompt
+    steps: list[dict] = field(default_factory=list)
+
+    def add(self, tool_name: str, sub_goal: str, command: Any, result: Any) -> None:
+        self.steps.append({"tool_name": tool_name, "sub_goal": sub_goal,
+                           "command": json_safe(command, self.max_chars), "result": json_safe(result, self.max_chars)})
+
+    def to_text(self) -> str:
+        if not self.steps:
+            return "(no steps yet)"
+        return json.dumps({f"Step {i + 1}": s for i, s in enumerate(self.steps)}, indent=1, ensure_ascii=False)
+
+
+# =====================================================================================================
+# 6. Tools
+# =====================================================================================================
+# The planner never touches the world directly: it names a tool and a sub-goal,
+# the executor turns that into JSON arguments, and one of the tools below does
+# the work. Every tool therefore has two faces:
+#   * metadata the planner READS in its prompt (name, description, input schema,
+#     limitations, tips) -- these strings are part of what the policy learns, so
+#     they are short, concrete and stable;
+#   * run(), which must never crash the rollout: an error becomes a value the
+#     verifier and the planner can see and react to ("timed out", "no page").
+# The building blocks come first: a sandbox for model-written Python, a tiny
+# retrieval stack (chunking + BM25 + optional embeddings), and a wall-clock
+# timeout for libraries that have none.
+
+
+# -----------------------------------------------------------------------------
+# Sandboxed Python execution
+# -----------------------------------------------------------------------------
+# Model-written code is untrusted: it may loop forever, allocate 100 GB, print
+# gigabytes, fork children, or read our API keys from os.environ. We run it in a
+# separate interpreter with a scrubbed environment, resource limits, a
+# wall-clock timeout and a group-wide SIGKILL at the end. This is a seatbelt,
+# not a jail: the code still runs as our user and can read any file we can.
+# For training at scale, put this behind a container / gVisor / nsjail.
+
+SANDBOX_MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: caps files AND stdout/stderr (they are files)
+SANDBOX_MAX_PROCESSES = 256  # RLIMIT_NPROC: stops fork bombs (see the caveat in _rlimit_setter)
+
+
+def _sandbox_env(home: str) -> dict[str, str]:
+    """The child's ENTIRE environment: nothing from ours (API keys!) leaks in.
+
+    Note: `python -I` ignores every PYTHON* variable (PYTHONIOENCODING too), so
+    UTF-8 output is forced with the `-X utf8` flag instead of the environment.
+    """
+    return {
+        "PATH": "/usr/bin:/bin",  # enough for `sleep`, `sh`; no user bin dirs
+        "HOME": home,  # ~ points into the throw-away directory
+        "TMPDIR": home,  # tempfile.* in the child lands there too, and is deleted with it
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        # numpy & co. start one thread per core by default; each thread reserves
+        # virtual memory that counts against RLIMIT_AS, so keep them to one.
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _set_limit(kind: int, soft: int, hard: int) -> None:
+    """setrlimit, but never above the hard limit we inherited (that would raise)."""
+    _, inherited_hard = resource.getrlimit(kind)
+    if inherited_hard != resource.RLIM_INFINITY:
+        soft, hard = min(soft, inherited_hard), min(hard, inherited_hard)
+    resource.setrlimit(kind, (soft, hard))
+
+
+def _rlimit_setter(memory_mb: int, cpu_s: int) -> Callable[[], None]:
+    """Build the preexec_fn: it runs in the forked child just before exec, so the
+    limits apply to the sandboxed interpreter and everything it spawns.
+
+    Why preexec_fn although the docs warn it is unsafe with threads: the danger
+    is a lock held by another thread at fork time; this function only makes
+    setrlimit system calls and allocates nothing interesting, which is the
+    standard, well-trodden use.
+    """
+    def apply() -> None:
+        memory = memory_mb * 1024 * 1024
+        # Address space: a 4 GB bytearray fails with MemoryError inside the child
+        # instead of pushing OUR process (or the GPU box) into the OOM killer.
+        # It counts VIRTUAL memory, so libraries that reserve huge arenas
+        # (torch, jax) need a larger value than their real use.
+        _set_limit(resource.RLIMIT_AS, memory, memory)
+        # CPU seconds: a backstop behind the wall clock (SIGXCPU at soft, SIGKILL at hard);
+        # it also catches code that burns several cores at once.
+        _set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)
+        # File size: stdout/stderr are files, so printing 50 MB stops at 16 MB
+        # (CPython ignores SIGXFSZ, so the write fails with OSError EFBIG instead).
+        _set_limit(resource.RLIMIT_FSIZE, SANDBOX_MAX_FILE_BYTES, SANDBOX_MAX_FILE_BYTES)
+        # Processes: counts ALL processes/threads of our user id, and the kernel
+        # does NOT enforce it for root -- in a root container it is a no-op.
+        _set_limit(resource.RLIMIT_NPROC, SANDBOX_MAX_PROCESSES, SANDBOX_MAX_PROCESSES)
+        # No core dumps: a crash must not write a 1 GB file.
+        _set_limit(resource.RLIMIT_CORE, 0, 0)
+    return apply
+
+
+def _wait_then_kill_group(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to timeout_s for the child, then SIGKILL its whole process group.
+
+    Returns True when the child was still running at the deadline.
+    The child is a session (and group) leader thanks to start_new_session=True,
+    so killpg(pid) also reaches the `sleep 100 &`, os.fork() and multiprocessing
+    children it left behind. We wait with WNOWAIT, i.e. WITHOUT reaping: while the
+    leader is an unreaped zombie its pid (= the group id) cannot be recycled, so
+    the killpg below can never hit an unrelated process group.
+    Known gap: a child that calls os.setsid() leaves the group and survives.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    timed_out = True
+    try:
+        while True:
+            # WNOHANG: don't block; WNOWAIT: leave the zombie in place (see above)
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                timed_out = False
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.05)  # fast for short snippets, cheap for long ones
+    finally:
+        # ALWAYS, even after a clean exit: orphans may still be running.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()  # reap the leader; its orphans are reaped by init
+    return timed_out
+
+
+def _read_head(path: str, max_chars: int) -> str:
+    """First max_chars characters of a file, reading only a bounded prefix.
+
+    stdout holds the answer, which the snippet prints first-to-last, so we keep its head.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        data = f.read(4 * max_chars)  # UTF-8 uses at most 4 bytes per character
+    text = data.decode("utf-8", errors="replace")
+    if len(text) > max_chars or size > len(data):
+        return text[:max_chars] + f"\n...[output truncated, {size} bytes in total]"
+    return text
+
+
+def _read_tail(path: str, max_chars: int) -> str:
+    """Last max_chars characters: the end of a traceback names the actual error."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - 4 * max_chars))
+        data = f.read()
+    text = data.decode("utf-8", errors="replace")
+    if len(text) > max_chars or size > len(data):
+        return f"[...truncated, {size} bytes in total]...\n" + text[-max_chars:]
+    return text
+
+
+def _describe_failure(returncode: int, timed_out: bool, timeout_s: float,
+                      output_overflow: bool, stderr: str) -> str | None:
+    """One short line for the planner/verifier; None means "ran cleanly".
+
+    >>> _describe_failure(1, False, 2.0, False, "Traceback ...\\nZeroDivisionError: division by zero\\n")
+    'ZeroDivisionError: division by zero'
+    """
+    if timed_out:
+        return f"timed out after {float(timeout_s)} s"
+    if output_overflow:
+        return f"output limit exceeded ({SANDBOX_MAX_FILE_BYTES // 2**20} MB)"
+    if returncode == 0:
+        return None
+    if returncode < 0:  # Popen reports "killed by signal N" as -N
+        number = -returncode
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = "unknown signal"
+        if number == signal.SIGXCPU:
+            return f"killed by signal {number} ({name}: CPU time limit)"
+        if number in (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS):
+            return f"killed by signal {number} ({name}, likely memory limit)"
+        return f"killed by signal {number} ({name})"
+    # Normal failure: the last line of a traceback is "ExceptionName: message".
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    if lines:
+        return lines[-1].strip()[:500]
+    return f"exited with code {returncode}"
+
+
+def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> dict:
+    # Two throw-away directories: the snippet's cwd/HOME (holds only snippet.py),
+    # and a separate one for its captured output, so `shutil.rmtree(".")` or
+    # clever file games in the cwd cannot touch our copy of stdout/stderr.
+    with tempfile.TemporaryDirectory(prefix="flowgrpo_run_", ignore_cleanup_errors=True) as workdir, \
+            tempfile.TemporaryDirectory(prefix="flowgrpo_out_", ignore_cleanup_errors=True) as outdir:
+        script = os.path.join(workdir, "snippet.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(code)
+        out_path, err_path = os.path.join(outdir, "stdout"), os.path.join(outdir, "stderr")
+        # Output goes to FILES, not pipes: a pipe we had to drain could fill our
+        # memory with gigabytes; a file is capped by RLIMIT_FSIZE and read back
+        # only up to max_output_chars.
+        with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
+            proc = subprocess.Popen(
+                # -I: isolated mode (no PYTHON* env vars, no user site-packages,
+                #     the script's directory is NOT on sys.path, so a file named
+                #     `json.py` in the cwd cannot shadow the stdlib);
+                # -u: unbuffered, so what was printed before a timeout kill is kept;
+                # -X utf8: UTF-8 I/O whatever the locale.
+                [sys.executable, "-I", "-u", "-X", "utf8", script],
+                cwd=workdir,
+                env=_sandbox_env(workdir),
+                stdin=subprocess.DEVNULL,  # input() gets EOF at once instead of hanging
+                stdout=out_f,
+                stderr=err_f,
+                close_fds=True,  # no inherited sockets / files from our process
+                start_new_session=True,  # own session + process group -> one killpg kills all
+                preexec_fn=_rlimit_setter(memory_mb, math.ceil(timeout_s) + 1),
+            )
+            timed_out = _wait_then_kill_group(proc, timeout_s)
+        output_overflow = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= SANDBOX_MAX_FILE_BYTES
+        stdout = _read_head(out_path, max_output_chars)
+        stderr = _read_tail(err_path, max_output_chars)
+    return {
+        "stdout": stdout,
+        "stderr": stderr,
+        "error": _describe_failure(proc.returncode, timed_out, timeout_s, output_overflow, stderr),
+        "timed_out": timed_out,
+        "returncode": proc.returncode,
+    }
+
+
+def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024,
+               max_output_chars: int = 8000) -> dict:
+    """Run untrusted Python in a sandboxed subprocess; never raises for what the code does.
+
+    Returns {"stdout", "stderr", "error", "timed_out", "returncode"}; error is None
+    only for a clean run with exit code 0.
+
+    >>> run_python("print(6 * 7)")["stdout"]
+    '42\\n'
+    >>> run_python("1 / 0")["error"]
+    'ZeroDivisionError: division by zero'
+    """
+    try:
+        return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        # Our side failed (cannot fork, disk full, code not encodable as UTF-8):
+        # still an answer, not an exception that kills the rollout.
+        return {"stdout": "", "stderr": "", "error": f"sandbox failure: {type(e).__name__}: {e}",
+                "timed_out": False, "returncode": None}
+
+
+# -----------------------------------------------------------------------------
+# Wall-clock timeouts for blocking library calls
+# -----------------------------------------------------------------------------
+# The `wikipedia` package calls requests.get(...) WITHOUT a timeout, so one
+# stalled TCP connection would freeze a rollout forever. Python cannot kill a
+# thread, but it can stop WAITING for one: run the call in a daemon thread and
+# give up on its result after timeout_s. The abandoned thread lingers until its
+# socket returns; being a daemon, it never blocks interpreter exit. (A plain
+# ThreadPoolExecutor would: since Python 3.9 its workers are joined at exit.)
+
+def submit_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    """Start fn(*args, **kwargs) in a fresh daemon thread; return a Future for its result."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def worker() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # delivered to whoever calls future.result()
+            future.set_exception(e)
+
+    threading.Thread(target=worker, daemon=True, name=f"tool-call-{getattr(fn, '__name__', 'fn')}").start()
+    return future
+
+
+def wait_result(future: concurrent.futures.Future, timeout_s: float) -> Any:
+    """future.result(timeout), re-raising a timeout as TimeoutError with a readable message."""
+    try:
+        return future.result(timeout=max(0.0, timeout_s))
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"timed out after {float(timeout_s)} s") from None
+
+
+def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), or TimeoutError after timeout_s of wall-clock time.
+
+    >>> call_with_timeout(1.0, sorted, [3, 1, 2])
+    [1, 2, 3]
+    """
+    return wait_result(submit_in_daemon_thread(fn, *args, **kwargs), timeout_s)
+
+
+def _short_error(e: BaseException, max_chars: int = 300) -> str:
+    """'TypeName: message', one line, bounded -- what tools put in {"error": ...}."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text[:max_chars]
+
+
+# -----------------------------------------------------------------------------
+# Retrieval: chunking, BM25, embeddings
+# -----------------------------------------------------------------------------
+# The RAG tools cannot paste whole pages into a prompt, so they split the text
+# into overlapping word windows and keep the few most relevant ones. BM25 needs
+# no model and no API key, which is why it is the default.
+
+def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
+    """Split text into windows of `size` words; consecutive windows share `overlap`
+    words so a sentence cut at a border is still whole in one of them.
+
+    >>> chunk_words("a b c d e", size=3, overlap=1)
+    ['a b c', 'c d e']
+    """
+    if size <= 0 or not 0 <= overlap < size:
+        raise ValueError(f"need size > 0 and 0 <= overlap < size, got size={size}, overlap={overlap}")
+    words = text.split()
+    chunks = []
+    for start in range(0, len(words), size - overlap):
+        chunks.append(" ".join(words[start:start + size]))
+        if start + size >= len(words):  # this window already reached the end
+            break
+    return chunks
+
+
+def tokenize(text: str) -> list[str]:
+    """Lowercase word tokens (letters/digits, any script).
+
+    >>> tokenize("Marie Curie's 2 Nobel-Prizes")
+    ['marie', 'curie', 's', '2', 'nobel', 'prizes']
+    """
+    return re.findall(r"[^\W_]+", text.lower())
+
+
+def bm25_top_k(query: str, chunks: list[str], k: int = 5, k1: float = 1.5, b: float = 0.75) -> list[int]:
+    """Indices of the k chunks that best match the query under Okapi BM25, best first.
+
+    score(chunk) = sum over distinct query terms t of
+        idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(chunk) / avg_len))
+    with idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5)) (never negative).
+    Ties go to the lower index, so results are deterministic.
+
+    >>> bm25_top_k("red apple", ["green pear", "a red apple", "red car"], k=2)
+    [1, 2]
+    """
+    docs = [Counter(tokenize(c)) for c in chunks]
+    if not docs or k <= 0:
+        return []
+    lengths = [sum(d.values()) for d in docs]
+    avg_len = sum(lengths) / len(docs) or 1.0  # all-empty chunks: avoid dividing by zero
+    n = len(docs)
+    scores = [0.0] * n
+    for term in set(tokenize(query)):
+        df = sum(1 for d in docs if term in d)  # document frequency
+        if df == 0:
+            continue
+        idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+        for i, d in enumerate(docs):
+            tf = d.get(term, 0)
+            if tf:
+                # tf saturates (k1) and long chunks are penalised (b)
+                scores[i] += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[i] / avg_len))
+    return sorted(range(n), key=lambda i: (-scores[i], i))[:k]
+
+
+def _cosine(u: list[float], v: list[float]) -> float:
+    """Cosine similarity; 0.0 for a zero vector.
+
+    >>> round(_cosine([1.0, 0.0], [1.0, 1.0]), 4)
+    0.7071
+    """
+    norm = math.hypot(*u) * math.hypot(*v)
+    return sum(a * b for a, b in zip(u, v)) / norm if norm else 0.0
+
+
+def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str,
+                    batch_size: int = 64) -> list[int]:
+    """Like bm25_top_k, but ranks by cosine similarity of embeddings from an
+    OpenAI-compatible /v1/embeddings endpoint (client = openai.OpenAI(base_url=..., api_key=...)).
+    """
+    if not chunks or k <= 0:
+        return []
+    texts = [query] + list(chunks)
+    vectors: list[list[float]] = []
+    for start in range(0, len(texts), batch_size):  # servers cap the inputs per request
+        # encoding_format="float": the openai client otherwise asks for base64,
+        # which some OpenAI-compatible servers do not implement.
+        response = client.embeddings.create(model=model, input=texts[start:start + batch_size],
+                                            encoding_format="float")
+        # the API returns an `index` per item; don't rely on the list order
+        vectors.extend(item.embedding for item in sorted(response.data, key=lambda d: d.index))
+    if len(vectors) != len(texts):
+        raise ValueError(f"embeddings endpoint returned {len(vectors)} vectors for {len(texts)} inputs")
+    scores = [_cosine(vectors[0], v) for v in vectors[1:]]
+    return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:k]
+
+
+def _numbered_passages(passages: list[str]) -> str:
+    """'[1] first\\n\\n[2] second' -- numbered so the model can refer to them."""
+    return "\n\n".join(f"[{i}] {p}" for i, p in enumerate(passages, start=1))
+
+
+# -----------------------------------------------------------------------------
+# Tool base class
+# -----------------------------------------------------------------------------
+
+def _trimmed_schema(model: type[BaseModel]) -> dict:
+    """The parts of a JSON schema a planner needs: properties (minus pydantic's
+    auto 'title's) and required. Shorter prompt, same information."""
+    schema = model.model_json_schema()
+    properties = {name: {key: value for key, value in spec.items() if key != "title"}
+                  for name, spec in schema.get("properties", {}).items()}
+    return {"properties": properties, "required": schema.get("required", [])}
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    """'query: Field required; url: Input should be a valid string'."""
+    return "; ".join(f"{'.'.join(str(part) for part in err['loc']) or '(arguments)'}: {err['msg']}"
+                     for err in e.errors())
+
+
+class Tool:
+    """Base class. Subclasses set the class attributes below and implement run().
+
+    The planner sees metadata()/describe(); the executor produces raw JSON
+    arguments; __call__ validates them against input_model and calls run().
+    """
+    name: str = ""
+    description: str = ""
+    input_model: type[BaseModel] = BaseModel
+    limitations: str = ""
+    tips: str = ""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine  # the LLM this tool uses (may differ from the planner's)
+
+    def metadata(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "input_schema": _trimmed_schema(self.input_model),
+            "limitations": self.limitations,
+            "tips": self.tips,
+        }
+
+    def describe(self) -> str:
+        """Compact text block for prompts, e.g.
+        Tool: Python_Coder_Tool
+          Description: ...
+          Input: query (string, required): ...
+          Limitations: ...
+          Tips: ...
+        """
+        schema = _trimmed_schema(self.input_model)
+        fields = []
+        for field, spec in schema["properties"].items():
+            status = "required" if field in schema["required"] else "optional"
+            fields.append(f"{field} ({spec.get('type', 'any')}, {status}): {spec.get('description', '')}".rstrip(": "))
+        return (f"Tool: {self.name}\n"
+                f"  Description: {self.description}\n"
+                f"  Input: {'; '.join(fields)}\n"
+                f"  Limitations: {self.limitations}\n"
+                f"  Tips: {self.tips}")
+
+    def run(self, args: BaseModel) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, raw_args: dict) -> Any:
+        """Validate the executor's JSON arguments, then run. Bad arguments raise
+        ValueError with a message that names the fields, so the error the
+        planner sees teaches it the right call."""
+        if not isinstance(raw_args, dict):
+            raise ValueError(f"{self.name} expects a JSON object of arguments, got {type(raw_args).__name__}")
+        try:
+            args = self.input_model.model_validate(raw_args)
+        except ValidationError as e:
+            raise ValueError(f"invalid arguments for {self.name}: {_format_validation_error(e)}") from None
+        return self.run(args)
+
+
+class _ToolInput(BaseModel):
+    # extra="forbid": a misspelled key ("querry") is reported by name instead
+    # of being dropped silently and then reported as a missing "query".
+    model_config = ConfigDict(extra="forbid")
+
+
+# -----------------------------------------------------------------------------
+# Generalist: the LLM itself, answering step by step
+# -----------------------------------------------------------------------------
+
+class GeneralistInput(_ToolInput):
+    query: str = Field(min_length=1, description="The question or sub-task to answer, with all needed context")
+
+
+class GeneralistTool(Tool):
+    name = "Generalist_Solution_Generator_Tool"
+    description = "Answers a question or sub-task by step-by-step reasoning with a general-purpose language model."
+    input_model = GeneralistInput
+    limitations = ("No internet, files or code execution; may state wrong facts confidently; "
+                   "unreliable at exact arithmetic.")
+    tips = ("Use for reasoning, common knowledge, planning and summarising. Put every needed fact in the "
+            "query; check facts with a search tool and calculations with Python_Coder_Tool.")
+
+    def __init__(self, engine: Engine, max_tokens: int | None = None):
+        super().__init__(engine)
+        self.max_tokens = max_tokens
+
+    def run(self, args: GeneralistInput) -> str:
+        prompt = ("Answer the query below. Reason step by step, then give the final answer "
+                  "on a last line that starts with 'Answer:'.\n\n"
+                  f"Query: {args.query}")
+        return str(self.engine.ask(prompt, max_tokens=self.max_tokens))
+
+
+# -----------------------------------------------------------------------------
+# Python coder: the LLM writes a program, the sandbox runs it
+# -----------------------------------------------------------------------------
+
+_PYTHON_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_BARE_FENCE = re.compile(r"```[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_python_code(reply: str) -> str | None:
+    """Code of the first ```python block, else of the first bare ``` block, else None.
+    A block tagged with another language (```bash) is never run as Python.
+
+    >>> extract_python_code("Sure:\\n```python\\nprint(1)\\n```")
+    'print(1)\\n'
+    """
+    for pattern in (_PYTHON_FENCE, _BARE_FENCE):
+        match = pattern.search(reply)
+        if match:
+            return match.group(1)
+    return None
+
+
+class PythonCoderInput(_ToolInput):
+    query: str = Field(min_length=1, description="A precise computation or data-processing task, "
+                                                 "including every number and value it needs")
+
+
+class PythonCoderTool(Tool):
+    name = "Python_Coder_Tool"
+    description = ("Writes a short Python program for a computational task, runs it in a sandbox "
+                   "and returns the code and its printed output.")
+    input_model = PythonCoderInput
+    limitations = ("Python standard library only; no internet, files or user input; a few seconds of "
+                   "run time; the program is written by a language model and can be wrong.")
+    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. State the task "
+            "precisely with all inputs, e.g. 'Compute the number of days from 2021-03-01 to 2024-02-29'.")
+
+    def __init__(self, engine: Engine, timeout_s: float = 10.0, memory_mb: int = 1024,
+                 max_output_chars: int = 4000, max_tokens: int | None = None):
+        super().__init__(engine)
+        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.max_output_chars, self.max_tokens = max_output_chars, max_tokens
+
+    def run(self, args: PythonCoderInput) -> dict:
+        prompt = ("Write a short, self-contained Python 3 program that solves the task below.\n"
+                  "Rules:\n"
+                  "- Use only the Python standard library.\n"
+                  "- Do not read user input, files or the network.\n"
+                  "- print() the final result with a short label, e.g. print('answer:', x).\n"
+                  "- Put the whole program in ONE block that starts with ```python and ends with ```.\n\n"
+                  f"Task: {args.query}")
+        reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
+        code = extract_python_code(reply)
+        if code is None:
+            return {"code": "", "stdout": "", "error": "the model's reply contained no ```python code block"}
+        result = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                            max_output_chars=self.max_output_chars)
+        return {"code": code, "stdout": result["stdout"], "error": result["error"]}
+
+
+# -----------------------------------------------------------------------------
+# Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
+# -----------------------------------------------------------------------------
+
+class WikipediaInput(_ToolInput):
+    query: str = Field(min_length=1, description="What to look up, e.g. an entity plus the fact wanted")
+
+
+def _fetch_wikipedia_page(title: str) -> dict:
+    """Runs in a worker thread: page info (1 request) + plain-text content (1 request)."""
+    # auto_suggest=False: the title is an exact search result already; auto-suggest
+    # would spend another request on a new search and may load a different page.
+    page = wikipedia.page(title, auto_suggest=False)
+    return {"title": page.title, "url": page.url, "content": page.content}
+
+
+def _wikipedia_error(title: str, e: BaseException) -> str:
+    """Readable per-page error; disambiguation pages list what they could mean."""
+    if isinstance(e, wikipedia.exceptions.DisambiguationError):
+        options = ", ".join(e.options[:10]) or "(none listed)"
+        return f"'{title}' is a disambiguation page; it may refer to: {options}"
+    if isinstance(e, wikipedia.exceptions.PageError):
+        return f"no Wikipedia page titled '{title}'"
+    return _short_error(e)
+
+
+class WikipediaTool(Tool):
+    name = "Wikipedia_RAG_Search_Tool"
+    description = ("Searches English Wikipedia, reads up to 3 relevant pages and returns, for each, "
+                   "a summary written only from the page's most relevant passages, with its URL.")
+    input_model = WikipediaInput
+    limitations = ("English Wikipedia only; reads a few passages per page, so facts deep in long "
+                   "articles can be missed; no very recent events.")
+    tips = ("Query with the entity name and the fact wanted (e.g. 'Marie Curie Nobel Prize years'). "
+            "If a result is a disambiguation page, retry with one of the listed titles.")
+
+    def __init__(self, engine: Engine, timeout_s: float = 10.0, max_pages: int = 3, top_k: int = 4,
+                 chunk_size: int = 120, chunk_overlap: int = 20, max_results: int = 10):
+        super().__init__(engine)
+        self.timeout_s, self.max_pages, self.top_k = timeout_s, max_pages, top_k
+        self.chunk_size, self.chunk_overlap, self.max_results = chunk_size, chunk_overlap, max_results
+
+    def _select_titles(self, query: str, candidates: list[str]) -> list[str]:
+        """Ask the engine which candidates to read; keep only exact candidate titles.
+        Falls back to the top search hit so a parse failure still yields a page."""
+        listing = "\n".join(f"- {t}" for t in candidates)
+        prompt = (f"You choose which Wikipedia pages to read to answer a query.\n\nQuery: {query}\n\n"
+                  f"Candidate page titles:\n{listing}\n\n"
+                  f"Reply with JSON only, like {{\"titles\": [\"...\"]}}, listing at most {self.max_pages} "
+                  "titles copied exactly from the candidates, most useful first.")
+        try:
+            selection = self.engine.ask(prompt, schema=TitleSelection)
+        except Exception:  # an engine hiccup must not lose the search results
+            selection = None
+        chosen: list[str] = []
+        for title in (selection.titles if selection is not None else []):
+            if title in candidates and title not in chosen:  # invented titles are dropped
+                chosen.append(title)
+        return chosen[:self.max_pages] or candidates[:1]
+
+    def _summary_prompt(self, query: str, title: str, passages: list[str]) -> str:
+        return (f"Answer the query using ONLY the passages below from the Wikipedia page '{title}'. "
+                "Keep exact names, numbers and dates. If the passages do not answer the query, say so "
+                "and summarise what relevant information they do contain.\n\n"
+                f"Query: {query}\n\nPassages:\n{_numbered_passages(passages)}\n\nAnswer:")
+
+    def run(self, args: WikipediaInput) -> dict:
+        query = args.query
+        # wikipedia.search memoises every query forever in a plain dict
+        # (wikipedia.util.cache); over a long RL run that grows without bound.
+        if len(getattr(wikipedia.search, "_cache", ())) > 4096:
+            wikipedia.search.clear_cache()
+        try:
+            candidates = call_with_timeout(self.timeout_s, wikipedia.search, query, results=self.max_results)
+        except Exception as e:
+            return {"query": query, "error": f"Wikipedia search failed: {_short_error(e)}"}
+        if not candidates:
+            return {"query": query, "error": f"no Wikipedia pages found for '{query}'"}
+
+        titles = self._select_titles(query, candidates)
+        # Fetch all chosen pages in parallel under ONE shared deadline, so the
+        # worst case is ~2 x timeout_s (search + pages), not 4 x.
+        futures = [submit_in_daemon_thread(_fetch_wikipedia_page, t) for t in titles]
+        deadline = time.monotonic() + self.timeout_s
+        pages: list[dict] = []
+        prompts: list[str] = []
+        for title, future in zip(titles, futures):
+            try:
+                page = wait_result(future, deadline - time.monotonic())
+            except Exception as e:
+                pages.append({"title": title, "error": _wikipedia_error(title, e)})
+                continue
+            chunks = chunk_words(page["content"], self.chunk_size, self.chunk_overlap)
+            if not chunks:
+                pages.append({"title": page["title"], "error": "the page has no text"})
+                continue
+            passages = [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)]
+            pages.append({"title": page["title"], "url": page["url"], "summary": None})
+            prompts.append(self._summary_prompt(query, page["title"], passages))
+
+        # One batched engine call for all summaries (the Engine API is batch-first).
+        try:
+            summaries = self.engine.generate(prompts) if prompts else []
+            failure = "the model returned no summary"
+        except Exception as e:
+            summaries, failure = [], f"summarising failed: {_short_error(e)}"
+        summaries = list(summaries) + [None] * (len(prompts) - len(summaries))
+        waiting = [p for p in pages if "summary" in p]  # same order as prompts
+        for page, summary in zip(waiting, summaries):
+            if isinstance(summary, str):
+                page["summary"] = summary
+            else:  # keep the {"title", "error"} shape for every failure
+                del page["url"], page["summary"]
+                page["error"] = failure
+        return {"query": query, "pages": pages}
+
+
+# -----------------------------------------------------------------------------
+# Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
+# -----------------------------------------------------------------------------
+# Security note: a tool that fetches model-chosen URLs can reach whatever the
+# host can (localhost services, cloud metadata at 169.254.169.254). We allow
+# only http(s) here; a production deployment should additionally resolve the
+# host and refuse private/loopback addresses (the tests below rely on loopback).
+
+class WebRAGInput(_ToolInput):
+    query: str = Field(min_length=1, description="The question to answer from the page")
+    url: str = Field(min_length=1, description="Full http(s) URL of the page to read")
+
+
+_HTML_TYPES = ("text/html", "application/xhtml+xml")
+_TEXT_TYPES = ("text/", "application/json", "application/xml")
+
+
+def check_web_url(url: str) -> str | None:
+    """None if the URL may be fetched, else the reason it may not.
+
+    >>> check_web_url("file:///etc/passwd")
+    "only http and https URLs can be fetched, got scheme 'file'"
+    """
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"only http and https URLs can be fetched, got scheme '{parts.scheme}'"
+    if not parts.hostname:
+        return f"URL has no host: '{url}'"
+    return None
+
+
+def _charset(content_type: str) -> str:
+    """Charset named in a Content-Type header, else utf-8. (requests' own guess is
+    ISO-8859-1 for any text/* without a charset, per an old RFC.)"""
+    match = re.search(r"charset=[\"']?([\w.:-]+)", content_type, re.IGNORECASE)
+    return match.group(1) if match else "utf-8"
+
+
+def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
+    """GET url, reading at most max_bytes of body: returns (body, content type).
+
+    stream=True means the body is NOT downloaded up front; we pull 64 KB at a
+    time and stop at max_bytes, so a 10 GB file costs us 2 MB. requests'
+    timeout limits each connect/read, not the whole download, so we also stop
+    at a deadline; callers add a wall-clock limit with call_with_timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    headers = {"User-Agent": "flow-grpo-web-rag/0.1 (research)"}
+    with requests.get(url, timeout=timeout_s, stream=True, headers=headers) as response:
+        response.raise_for_status()  # 404/500 -> requests.HTTPError with the status in its message
+        content_type = response.headers.get("Content-Type", "text/html").lower()
+        if not content_type.startswith(_HTML_TYPES + _TEXT_TYPES):
+            raise ValueError(f"unsupported content type '{content_type}' (only HTML and text pages)")
+        body = bytearray()
+        for piece in response.iter_content(chunk_size=64 * 1024):
+            body += piece
+            if len(body) >= max_bytes:
+                break  # leaving the `with` closes the connection; the rest is never read
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"download took longer than {float(timeout_s)} s")
+    return bytes(body[:max_bytes]), content_type
+
+
+def page_text(body: bytes, content_type: str) -> str:
+    """Visible text of an HTML page (scripts/styles removed) or the decoded text body.
+
+    >>> page_text(b"<p>Hi</p><script>x()</script>", "text/html")
+    'Hi'
+    """
+    if content_type.startswith(_HTML_TYPES):
+        # Passing bytes lets BeautifulSoup use the page's <meta charset>.
+        soup = BeautifulSoup(body, "html.parser")
+        # Recent bs4 versions already leave <script>/<style>/<template> out of
+        # get_text(), but not <noscript> ("please enable JavaScript"), and older
+        # versions or other parsers keep them all: remove them explicitly.
+        for tag in soup(["script", "style", "noscript", "template"]):
+            tag.decompose()
+        text = soup.get_text(separator=" ")
+    else:
+        try:
+            text = body.decode(_charset(content_type), errors="replace")
+        except LookupError:  # unknown charset name in the header
+            text = body.decode("utf-8", errors="replace")
+    return " ".join(text.split())
+
+
+class WebRAGTool(Tool):
+    name = "Web_RAG_Search_Tool"
+    description = ("Reads the web page at a given URL and answers a question using only the page's "
+                   "most relevant passages.")
+    input_model = WebRAGInput
+    limitations = ("Needs an exact http(s) URL; reads only the first ~2 MB of HTML or plain text; "
+                   "no JavaScript-rendered content, PDFs or images.")
+    tips = ("Use when the task gives a URL or you know the exact page; ask one specific question "
+            "about that page.")
+
+    def __init__(self, engine: Engine, timeout_s: float = 10.0, max_bytes: int = 2_000_000,
+                 top_k: int = 4, chunk_size: int = 150, chunk_overlap: int = 20,
+                 embed_client: Any = None, embed_model: str | None = None):
+        super().__init__(engine)
+        self.timeout_s, self.max_bytes, self.top_k = timeout_s, max_bytes, top_k
+        self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
+        self.embed_client, self.embed_model = embed_client, embed_model
+
+    def rank(self, query: str, chunks: list[str]) -> list[int]:
+        """Embeddings if configured, else BM25. An embeddings outage falls back to
+        BM25: an infrastructure failure should not be charged to the planner."""
+        if self.embed_client is not None and self.embed_model:
+            try:
+                return embedding_top_k(query, chunks, self.top_k, self.embed_client, self.embed_model)
+            except Exception:
+                pass
+        return bm25_top_k(query, chunks, self.top_k)
+
+    def run(self, args: WebRAGInput) -> str | dict:
+        problem = check_web_url(args.url)
+        if problem:
+            return {"error": problem}
+        try:
+            body, content_type = call_with_timeout(self.timeout_s, fetch_limited, args.url.strip(),
+                                                   self.timeout_s, self.max_bytes)
+        except Exception as e:
+            return {"error": f"could not fetch {args.url}: {_short_error(e)}"}
+        chunks = chunk_words(page_text(body, content_type), self.chunk_size, self.chunk_overlap)
+        if not chunks:
+            return {"error": f"no readable text at {args.url}"}
+        passages = [chunks[i] for i in self.rank(args.query, chunks)]
+        prompt = (f"Answer the query using ONLY the passages below from the web page {args.url}. "
+                  "Keep exact names, numbers and dates. If the passages do not answer the query, say so.\n\n"
+                  f"Query: {args.query}\n\nPassages:\n{_numbered_passages(passages)}\n\nAnswer:")
+        try:
+            return str(self.engine.ask(prompt))
+        except Exception as e:
+            return {"error": f"summarising failed: {_short_error(e)}"}
+
+
+# -----------------------------------------------------------------------------
+# Registry
+# -----------------------------------------------------------------------------
+# Google search is intentionally absent: the original system's Google tool needs
+# a proprietary SDK and API key. Wikipedia + Web RAG cover open-web lookups.
+
+TOOL_CLASSES: dict[str, type[Tool]] = {
+    cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)
+}
+
+
+def make_tools(names: list[str], engine: Engine, **options: Any) -> dict[str, Tool]:
+    """Instantiate tools by name. Each option goes to every tool whose constructor
+    accepts it, so make_tools(names, engine, timeout_s=5) sets all timeouts.
+
+    >>> sorted(make_tools(["Python_Coder_Tool"], Engine()))
+    ['Python_Coder_Tool']
+    """
+    unknown = [n for n in names if n not in TOOL_CLASSES]
+    if unknown:
+        raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
+    accepted = {n: set(inspect.signature(TOOL_CLASSES[n].__init__).parameters) for n in names}
+    unused = [opt for opt in options if not any(opt in params for params in accepted.values())]
+    if unused:  # a typo like `timout_s=5` would otherwise be ignored silently
+        raise ValueError(f"option(s) {unused} are not accepted by any of the tools {list(names)}")
+    return {n: TOOL_CLASSES[n](engine, **{k: v for k, v in options.items() if k in accepted[n]})
+            for n in names}
+
+
+# =====================================================================================================
+# 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
+# =====================================================================================================
+# solve_batch() advances MANY questions at once, turn by turn: each phase sends the prompts of every live
+# trajectory to its engine in one batch. --ask is a batch of one; training rollouts are B x G trajectories.
+# The planner is any function prompts -> outputs, where an output is a string or an object with `.text`;
+# during rollouts it returns Samples (section 8) that carry token ids and log-probs, and the solver keeps
+# each one next to its turn without looking inside.
+
+
+def analysis_prompt(question: str, tools: dict) -> str:
+    return (f"You are the analyst of a problem-solving agent. Study the question before any tool is used.\n\n"
+            f"Question: {question}\n\nAvailable tools:\n{describe_tools(tools)}")
+
+
+def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
+    """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
+    included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
+    return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
+            f"Question: {question}\n\nQuery analysis: {analysis}\n\nAvailable tools:\n{describe_tools(tools)}\n\n"
+            f"Memory of previous steps:\n{memory.to_text()}\n\n"
+            f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
+            f"can reach now; build on the memory instead of repeating a step that already worked."
+            + schema_instruction(NextStep))
+
+
+def executor_prompt(question: str, plan: NextStep, tool) -> str:
+    return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
+            f"tool below; the arguments must follow its input schema.\n\nQuestion: {question}\n"
+            f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\n\nTool:\n{tool.describe()}")
+
+
+def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
+    return (f"You are the verifier of a problem-solving agent. Decide whether the memory below already "
+            f"holds enough verified information to answer the question correctly.\n\nQuestion: {question}\n\n"
+            f"Query analysis: {analysis}\n\nMemory:\n{memory.to_text()}")
+
+
+def answer_prompt(question: str, memory: Memory) -> str:
+    return (f"Answer the question using the steps below. Reason briefly, then give only the final answer "
+            f"inside <answer></answer>, for example <answer>144</answer>.\n\nQuestion: {question}\n\n"
+            f"Steps taken:\n{memory.to_text()}")
+
+
+def describe_tools(tools: dict) -> str:
+    return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
+
+
+@dataclass
+class Turn:
+    """One planner turn and everything that followed from it."""
+    plan_text: str  # the planner's raw output: the action a_t
+    plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
+    call: Optional[dict]  # the executor's validated tool call
+    result: Any  # what the tool returned, or {"error": ...}
+    verdict: Optional[Verification]  # the verifier's decision after this turn
+    planner_output: Any = None  # what the planner returned (a Sample with ids and log-probs in rollouts)
+
+
+@dataclass
+class AgentState:
+    """A trajectory in progress."""
+    question: str
+    memory: Memory
+    analysis: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    done: bool = False
+    final_output: str = ""  # the generator's final text, with <answer>...</answer>
+    stats: Counter = field(default_factory=Counter)  # parse failures, tool calls, tool errors
+
+
+@contextlib.contextmanager
+def timed(timings: Optional[dict], key: str):
+    """Add the seconds spent in the block to timings[key] (where the rollout's time goes)."""
+    t0 = time.perf_counter()
+    yield
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+
+def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) -> tuple[Optional[dict], Any]:
+    """Validate the executor's call and run the tool. Every failure becomes a readable error for the memory
+    (and for the planner's next prompt), never an exception: the agent must be able to recover from it."""
+    if plan is None:
+        return None, {"error": "the plan was not valid JSON with fields justification, context, sub_goal, tool_name"}
+    if plan.tool_name not in tools:
+        return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
+    if call is None:
+        return None, {"error": "the executor's tool call was not valid JSON"}
+    command = {"tool_name": plan.tool_name, "arguments": call.arguments}
+    try:
+        return command, tools[plan.tool_name](call.arguments)  # __call__ validates against the input schema
+    except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
+        return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+
+def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
+                max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8,
+                timings: Optional[dict] = None) -> list[AgentState]:
+    """Run the agent on every question, all trajectories in lockstep. Returns the finished states."""
+    states = [AgentState(q, Memory(max_chars=memory_chars)) for q in questions]
+    with timed(timings, "fixed"):
+        analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
+    for st, a in zip(states, analyses):
+        st.analysis = json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)"
+        st.stats["parse_fail:analysis"] += a is None
+
+    with ThreadPoolExecutor(max_workers=max(1, tool_workers)) as pool:
+        for turn in range(1, max_turns + 1):
+            live = [st for st in states if not st.done]
+            if not live:
+                break
+            # 1) PLAN: one batched call for every live trajectory - the only trained step.
+            with timed(timings, "planner"):
+                outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
+                                   for st in live])
+            texts = [getattr(o, "text", o) for o in outputs]
+            plans = [parse_structured(t, NextStep) for t in texts]
+            # 2) EXECUTE: the executor writes a structured call for each plan that names a real tool.
+            todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
+            calls: list[Optional[ToolCall]] = [None] * len(live)
+            with timed(timings, "fixed"):
+                made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[plans[i].tool_name])
+                                       for i in todo], schema=ToolCall) if todo else []
+            for i, c in zip(todo, made):
+                calls[i] = c
+            # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls).
+            with timed(timings, "tools"):
+                ran = list(pool.map(lambda pc: run_step(tools, *pc), zip(plans, calls)))
+            # 4) MEMORY, then 5) VERIFY: one batched verifier call.
+            for st, text, plan, call, (command, result) in zip(live, texts, plans, calls, ran):
+                st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
+                st.stats["parse_fail:plan"] += plan is None
+                st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
+                if command is not None:
+                    st.stats[f"tool:{command['tool_name']}"] += 1
+                    st.stats["tool_error"] += isinstance(result, dict) and "error" in result
+            with timed(timings, "fixed"):
+                verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
+                                          schema=Verification)
+            for st, text, plan, call, (command, result), out, v in zip(live, texts, plans, calls, ran, outputs, verdicts):
+                st.turns.append(Turn(text, plan, command, result, v, out))
+                st.stats["parse_fail:verdict"] += v is None
+                st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
+    # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
+    with timed(timings, "fixed"):
+        finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
+    for st, text in zip(states, finals):
+        text = text.strip()
+        st.final_output = text if "<answer>" in text else f"<answer>{text}</answer>"
+        st.done = True
+    return states
+
+
+def format_trajectory(st: AgentState) -> str:
+    """A readable trajectory for --ask and for rollouts.jsonl."""
+    lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
+    for i, t in enumerate(st.turns, 1):
+        lines.append(f"--- turn {i} ---")
+        lines.append(f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}")
+        lines.append(f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}")
+        lines.append(f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}")
+        verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
+        lines.append(f"VERIFIER: {verdict}")
+    lines.append(f"FINAL: {st.final_output}")
+    return "\n".join(lines)
+
+
+# =====================================================================================================
+# 8. Rollout with log-prob capture
+# =====================================================================================================
+# The planner samples its actions here, and we keep, for every token, the log-probability under the exact
+# distribution it was drawn from: softmax(raw logits / T). Nothing else may touch the logits (no top-k,
+# top-p, repetition penalty): if the sampler used processed scores but the update uses raw logits, the
+# ratio pi/pi_old is not 1 before any update (a bug of the original article). Turning top-k/top-p on would
+# make the behaviour policy a truncated distribution; you would then have to recompute pi_old with the same
+# truncation or accept a biased ratio - which is why this file does not offer them.
+
+
+@dataclass
+class Sample:
+    """One sampled action. Tensors are 1-D and unpadded:
+    prompt_ids [P] (the rendered prompt), action_ids [A] (up to and including EOS when one was produced),
+    logprobs [A] (behaviour log-probs of action_ids), text (the action decoded, special tokens dropped)."""
+    prompt_ids: torch.Tensor
+    action_ids: torch.Tensor
+    logprobs: torch.Tensor
+    text: str
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.no_grad()
+def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float) -> list[Sample]:
+    """Batched sampling with a KV cache, recording behaviour log-probs. `prompts` are rendered chat strings.
+
+    Prompts are LEFT-padded so that every row's next token is written in the same column:
+        ids_BP = [[pad, pad, p0, p1],          mask_BP = [[0, 0, 1, 1],
+                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
+    Position ids come from the mask (cumsum - 1), exactly as the update will compute them (action_logprobs),
+    so both passes see the same positions. temperature == 0 means greedy (log-probs then at T = 1).
+    """
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    ids_BP, mask_BP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    B, P = ids_BP.shape
+    stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+    pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids_BP, attention_mask=mask_BP, position_ids=pos_BP, use_cache=True, logits_to_keep=1)
+    next_pos_B = pos_BP[:, -1] + 1
+    tokens, logps = [], []
+    alive_B = torch.ones(B, dtype=torch.bool, device=device)
+    length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths: positions, never pad-id tests
+    for _ in range(max_new_tokens):
+        logits_BV = out.logits[:, -1].float()
+        logp_BV = torch.log_softmax(logits_BV / (temperature if temperature > 0 else 1.0), dim=-1)
+        tok_B = torch.multinomial(logp_BV.exp(), 1).squeeze(1) if temperature > 0 else logp_BV.argmax(-1)
+        tokens.append(tok_B)
+        logps.append(logp_BV.gather(1, tok_B[:, None]).squeeze(1))
+        length_B += alive_B  # a row grows until (and including) its first stop token
+        alive_B &= ~torch.isin(tok_B, stops)
+        if not alive_B.any():
+            break
+        # Finished rows keep decoding (cheaper than reshaping the cache); their extra tokens are cut below.
+        mask_BP = torch.cat([mask_BP, mask_BP.new_ones(B, 1)], dim=1)
+        out = model(input_ids=tok_B[:, None], attention_mask=mask_BP, position_ids=next_pos_B[:, None],
+                    past_key_values=out.past_key_values, use_cache=True)
+        next_pos_B = next_pos_B + 1
+    tok_BA, logp_BA = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
+    prompt_len_B, length_B = enc["attention_mask"].sum(1), length_B.cpu()
+    samples = []
+    for b in range(B):
+        action = tok_BA[b, :length_B[b]]
+        samples.append(Sample(prompt_ids=enc["input_ids"][b, P - prompt_len_B[b]:], action_ids=action,
+                              logprobs=logp_BA[b, :length_B[b]], text=tokenizer.decode(action, skip_special_tokens=True)))
+    return samples
+
+
+def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
+                    temperature: float) -> list[torch.Tensor]:
+    """Log-probs of each action under `model`, recomputed in one batched, differentiable forward pass.
+
+    Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
+        [[pad, p0, p1 | a0, a1, pad],
+         [q0,  q1, q2 | b0, b1, b2 ]]
+    The token in column P+j is predicted by the logits of column P+j-1, so we need the logits of the last
+    A+1 columns minus the very last one. `logits_to_keep` makes the model apply its LM head to those columns
+    only: with a 152k-token vocabulary, full-sequence logits for a 4k-token prompt would cost gigabytes.
+    The pad id is irrelevant: the mask is built from lengths, and padded logits are never read.
+    Returns a list of 1-D tensors, one per row, of the lengths of the actions.
+    """
+    device = next(model.parameters()).device
+    B = len(prompt_ids_list)
+    P, A = max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
+    ids_BL = torch.zeros(B, P + A, dtype=torch.long)
+    mask_BL = torch.zeros(B, P + A, dtype=torch.long)
+    for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
+        ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
+        ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
+    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+    pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1).logits[:, :-1]
+    logp_BAV = torch.log_softmax(logits_BAV.float() / temperature, dim=-1)
+    logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
+    return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
+
+
+def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: Engine, tools: dict,
+            temperature: float, max_new_tokens: int, max_turns: int, memory_chars: int = 2000,
+            tool_workers: int = 8, timings: Optional[dict] = None) -> list[AgentState]:
+    """B questions x G samples in lockstep: trajectory i answers questions[i // G].
+    Each turn, the planner prompts of all live trajectories go through ONE batched sample_actions call; the
+    Samples (prompt ids, action ids, behaviour log-probs) stay attached to their turns."""
+    def planner(prompts: list[str]) -> list[Sample]:
+        return sample_actions(model, tokenizer, [render_chat(tokenizer, p) for p in prompts],
+                              max_new_tokens=max_new_tokens, temperature=temperature)
+
+    model.eval()  # rollouts never need dropout or autograd
+    return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
+                       tools=tools, max_turns=max_turns, memory_chars=memory_chars, tool_workers=tool_workers,
+                       timings=timings)
+
+
+# =====================================================================================================
+# 9. Judge reward
+# =====================================================================================================
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...}, braces balanced: last_boxed(r"so \\boxed{\\frac{1}{2}}") -> r"\\frac{1}{2}" """
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None  # unbalanced: truncated output
+
+
+def extract_answer(text: str) -> str:
+    """The final answer inside a model's output: the last <answer>...</answer> (an unclosed last tag counts),
+    then a \\boxed{} inside it or in the text, else the whole text."""
+    tags = re.findall(r"<answer>(.*?)</answer>", text, re.S | re.I)
+    inner = tags[-1] if tags else (text.rsplit("<answer>", 1)[1] if "<answer>" in text else text)
+    boxed = last_boxed(inner)
+    return (boxed if boxed is not None else inner).strip()
+
+
+def to_number(text: str) -> Optional[float]:
+    """Parse '1,234', '-3.5', '2/3', '\\frac{2}{3}', '$12$', '50%'... into a float; None if it is not a number.
+    Thousands separators only in their proper place: '1,2' is not twelve."""
+    t = text.strip().strip("$").strip().rstrip(".")
+    t = re.sub(r"\\[!,;: ]|\\left|\\right|\\text\{[^}]*\}|\\%|%", "", t).replace(" ", "")
+    t = re.sub(r"^\\?[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$", r"\1/\2", t.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", t):
+        t = t.replace(",", "")
+    m = re.fullmatch(r"(-?\d+(?:\.\d+)?)/(-?\d+(?:\.\d+)?)", t)
+    try:
+        if m:
+            return float(m.group(1)) / float(m.group(2))
+        return float(t) if re.fullmatch(r"-?(\d+\.?\d*|\.\d+)(e-?\d+)?", t) else None
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def normalize_text(text: str) -> str:
+    """SQuAD-style: lower case, no punctuation, no articles, single spaces. 'The Eiffel Tower.' -> 'eiffel tower'"""
+    t = re.sub(r"[^\w\s]", " ", text.lower())
+    return " ".join(w for w in t.split() if w not in {"a", "an", "the"})
+
+
+def rule_reward(answer: str, ground_truth: str) -> float:
+    """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0.
+    Numbers compare by value (1,234 == 1234.0 == \\frac{2468}{2}); text compares whole normalised strings,
+    so there are no substring traps: '1444' does not match '144', 'Paris, Texas' does not match 'Paris'."""
+    pred = extract_answer(answer)
+    pred = re.sub(r"^\s*[a-zA-Z]\s*=\s*", "", pred)  # 'x = 5' -> '5'
+    pred_num = to_number(pred)
+    for gold in (g.strip() for g in str(ground_truth).split("; ")):
+        if not gold:
+            continue
+        gold_num = to_number(gold)
+        if pred_num is not None and gold_num is not None:
+            if math.isclose(pred_num, gold_num, rel_tol=1e-6, abs_tol=1e-9):
+                return 1.0
+        elif normalize_text(pred) and normalize_text(pred) == normalize_text(gold):
+            return 1.0
+    return 0.0
+
+
+def judge_prompt(question: str, answer: str, ground_truth: str) -> str:
+    return (f"You grade answers. Decide whether the final answer is equivalent to the ground truth (same value "
+            f"or same entity; wording may differ). Several acceptable ground truths are separated by '; '.\n\n"
+            f"Question: {question}\nFinal answer: {extract_answer(answer)}\nGround truth: {ground_truth}")
+
+
+def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None
+                  ) -> tuple[list[float], int]:
+    """Rewards for a batch, and how many fell back to the rule. Without an engine: the rule alone.
+    With one: its structured verdict, except where it fails to give one (then the rule, counted)."""
+    rule = [rule_reward(a, t) for a, t in zip(answers, truths)]
+    if engine is None:
+        return rule, 0
+    verdicts = engine.generate([judge_prompt(q, a, t) for q, a, t in zip(questions, answers, truths)],
+                               schema=JudgeVerdict)
+    rewards = [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)]
+    return rewards, sum(v is None for v in verdicts)
+
+
+# =====================================================================================================
+# 10. Group advantages
+# =====================================================================================================
+
+
+def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per trajectory: its reward minus its group's mean, scaled.
+
+    scale='group': divide by the group's std (GRPO); 'batch': by the std of all centred rewards in the batch
+    (less noisy for small G); 'none': centred only (Dr. GRPO). A group whose rewards are all equal carries no
+    signal: its advantages are exactly 0 (not 0/eps noise).
+        group_advantages([1, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]) -> [1.5, -0.5, -0.5, -0.5, 0, 0]
+    (unbiased std, as in GRPO and verl: std([1,0,0,0]) = 0.5)
+    """
+    r_N = torch.as_tensor(rewards, dtype=torch.float32)
+    g_N = torch.as_tensor(group_ids)
+    adv_N = torch.zeros_like(r_N)
+    for g in g_N.unique():
+        idx = g_N == g
+        centred = r_N[idx] - r_N[idx].mean()
+        std = r_N[idx].std() if idx.sum() > 1 else torch.tensor(0.0)
+        if std > eps:  # zero-variance groups keep their zeros
+            adv_N[idx] = centred / (std + eps) if scale == "group" else centred
+    if scale == "batch" and adv_N.abs().sum() > 0:
+        adv_N = adv_N / (adv_N.std() + eps)
+    return adv_N
+
+
+def zero_std_frac(rewards, group_ids) -> float:
+    """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
+    r_N, g_N = torch.as_tensor(rewards, dtype=torch.float32), torch.as_tensor(group_ids)
+    groups = g_N.unique()
+    return sum(float(r_N[g_N == g].max() == r_N[g_N == g].min()) for g in groups) / max(1, len(groups))
+
+
+# =====================================================================================================
+# 11. The clipped-ratio loss with k3 KL
+# =====================================================================================================
+# Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
+# a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
+# losses add up to the minibatch loss, whatever the micro-batch size.
+
+
+def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
+    """Per-token weights [B, T] that sum to 1 over the batch.
+
+    'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
+    'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
+    'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
+    Example, two turns of one trajectory with 1 and 3 tokens:  'turn'       -> [[.5, 0, 0], [1/6, 1/6, 1/6]]
+                                                                'token-mean' -> [[.25, 0, 0], [.25, .25, .25]]
+    """
+    m = mask.float()
+    per_row = m / m.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
+    if agg == "token-mean":
+        return m / m.sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        return per_row / m.shape[0]
+    if agg == "turn":
+        if traj_ids is None:
+            raise ValueError("agg='turn' needs traj_ids= (the trajectory of each row)")
+        _, inverse, counts = torch.as_tensor(traj_ids).unique(return_inverse=True, return_counts=True)
+        turns_B = counts[inverse].to(m.device).float()  # T_i for the trajectory of each row
+        return per_row / (turns_B[:, None] * len(counts))
+    raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3, kl_coef: float = 0.001,
+              agg: str = "turn", traj_ids=None, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """The Flow-GRPO loss (to MINIMISE) and its statistics.
+
+    logp/old_logp/ref_logp/mask: [B, T] (one row per planner turn), advantages: [B] (the trajectory's A_i).
+    weights: precomputed aggregation_weights for these rows (micro-batches of a bigger minibatch); by default
+    they are computed from `agg` over this batch alone.
+    Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
+    region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
+    smaller one and the gradient flows - so the clip never shields a move that makes things worse.
+    """
+    m = mask.bool()
+    w = weights if weights is not None else aggregation_weights(m, agg, traj_ids)
+    # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
+    log_ratio = torch.where(m, logp - old_logp, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logp.dtype)[:, None]
+    surr_unclipped = ratio * adv
+    surr_clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    pg_loss = -torch.minimum(surr_unclipped, surr_clipped)
+    delta = torch.where(m, ref_logp - logp, 0.0)
+    kl = torch.exp(delta) - delta - 1  # k3 estimator of KL(pi_theta || pi_ref): unbiased, >= 0
+    per_token = pg_loss + kl_coef * kl
+    loss = (per_token * w).sum()
+    with torch.no_grad():
+        n = m.sum().clamp(min=1)
+        stats = {"clip_frac": ((surr_clipped < surr_unclipped) & m).sum().item() / n.item(),
+                 "kl": (kl * m).sum().item() / n.item(),
+                 "ratio_mean": (ratio * m).sum().item() / n.item(),
+                 "tokens": int(m.sum().item())}
+    return loss, stats
+
+
+# =====================================================================================================
+# 12. Training
+# =====================================================================================================
+
+
+def pick_device(cfg: Config) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_base(cfg: Config, device: str):
+    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint (bf16 on GPU,
+    4-bit NF4 with bitsandbytes for QLoRA)."""
+    if cfg.model == "tiny":
+        model, tokenizer = build_tiny_model(cfg.seed)
+        return model.to(device), tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
+    if cfg.load_in_4bit:
+        if device != "cuda":
+            raise SystemExit("error: --load-in-4bit needs a CUDA GPU (bitsandbytes 4-bit kernels)")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["device_map"] = {"": 0}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+    except OSError as e:  # offline, a typo, or a gated repo: one line, not a traceback
+        raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
+                         f"(for an offline run use --preset smoke)")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not cfg.load_in_4bit:
+        model = model.to(device)
+    return model, tokenizer
+
+
+def load_policy(cfg: Config, device: str, *, trainable: bool):
+    """Base + LoRA. trainable=True: a fresh adapter (or --adapter to continue from); else --adapter for
+    inference, or the bare base model when there is none."""
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    model, tokenizer = load_base(cfg, device)
+    if cfg.load_in_4bit and trainable:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    if cfg.adapter:
+        model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=trainable)
+    elif trainable:
+        model = get_peft_model(model, LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
+            target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()], task_type="CAUSAL_LM"))
+    if trainable and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model, tokenizer
+
+
+def make_fixed_engine(cfg: Config, model, tokenizer) -> Engine:
+    """The frozen roles: a remote OpenAI-compatible server when --fixed-base-url is set, else the policy's
+    own base weights with the adapter off (no server, no second copy of the model)."""
+    if cfg.fixed_base_url:
+        return OpenAIEngine(cfg.fixed_base_url, cfg.fixed_model or cfg.model, api_key_env=cfg.api_key_env,
+                            timeout_s=cfg.request_timeout_s, max_tokens=cfg.fixed_max_tokens)
+    return LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
+
+
+def make_judge(cfg: Config, fixed: Engine) -> Optional[Engine]:
+    if cfg.judge == "rule":
+        return None
+    if cfg.judge_base_url:
+        return OpenAIEngine(cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, api_key_env=cfg.api_key_env,
+                            timeout_s=cfg.request_timeout_s, max_tokens=256)
+    return fixed
+
+
+def load_questions(path: str, limit: int = 0) -> list[dict]:
+    """Rows of a prepare_data.py parquet as dicts with question, answer (the ground truth) and source."""
+    import pandas as pd
+
+    if not Path(path).exists():
+        raise SystemExit(f"error: {path} not found; build it with `python prepare_data.py` "
+                         f"(or `python prepare_data.py --sample` offline)")
+    df = pd.read_parquet(path)
+    rows = [{"id": int(r["id"]), "question": str(r["question"]), "answer": str(r["result"]),
+             "source": str(r["source"])} for r in df.to_dict("records")]
+    return rows[:limit] if limit else rows
+
+
+def ensure_sample_data(cfg: Config) -> None:
+    """The smoke preset's data is built offline on first use by prepare_data.py's --sample writer."""
+    if Path(cfg.train_file).exists() and Path(cfg.val_file).exists():
+        return
+    import prepare_data
+
+    train, val = prepare_data.build_sample(seed=cfg.seed)
+    prepare_data.write_dataset(train, cfg.train_file)
+    prepare_data.write_dataset(val, cfg.val_file)
+    log(f"wrote the offline sample set: {cfg.train_file} ({len(train)} rows), {cfg.val_file} ({len(val)} rows)")
+
+
+@dataclass
+class DataStream:
+    """Deterministic pass over the training questions: a fresh seeded shuffle per epoch. Its whole state is
+    (epoch, pos), saved in checkpoints so a resumed run draws exactly the questions it would have drawn."""
+    n: int
+    seed: int
+    epoch: int = 0
+    pos: int = 0
+
+    def next_batch(self, size: int) -> list[int]:
+        out = []
+        while len(out) < size:
+            order = list(range(self.n))
+            random.Random(self.seed + self.epoch).shuffle(order)
+            take = order[self.pos:self.pos + size - len(out)]
+            out += take
+            self.pos += len(take)
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+
+@dataclass
+class Row:
+    """One planner turn, ready for the update: trained with its OWN prompt (the state s_t at that turn)."""
+    prompt_ids: torch.Tensor  # [P]
+    action_ids: torch.Tensor  # [A]
+    behaviour_logp: torch.Tensor  # [A] captured while sampling
+    advantage: float  # A_i of the trajectory, broadcast to each of its turns
+    traj_id: int
+    group_id: int
+    old_logp: Optional[torch.Tensor] = None  # [A] pi_old (captured or recomputed)
+    ref_logp: Optional[torch.Tensor] = None  # [A] base model (adapter off)
+
+
+def build_rows(states: list[AgentState], advantages: torch.Tensor, group_size: int) -> list[Row]:
+    """Flatten trajectories into turn-rows. Every turn gets its trajectory's advantage (Flow-GRPO's
+    broadcast). Groups whose advantage is 0 still contribute their KL term."""
+    rows = []
+    for i, st in enumerate(states):
+        for turn in st.turns:
+            s: Sample = turn.planner_output
+            rows.append(Row(s.prompt_ids, s.action_ids, s.logprobs, float(advantages[i]), i, i // group_size))
+    return rows
+
+
+def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """list of 1-D tensors -> ([B, T] right-padded, [B, T] bool mask built from the lengths)."""
+    T = max(len(t) for t in tensors)
+    out = tensors[0].new_full((len(tensors), T), value)
+    mask = torch.zeros(len(tensors), T, dtype=torch.bool, device=out.device)
+    for b, t in enumerate(tensors):
+        out[b, :len(t)], mask[b, :len(t)] = t, True
+    return out, mask
+
+
+@torch.no_grad()
+def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
+                  base: bool = False) -> None:
+    """No-grad log-probs for every row, stored in row.<attr>: pi_old (adapter on) or pi_ref (adapter off)."""
+    with adapter_disabled(model) if base else contextlib.nullcontext():
+        for i in range(0, len(rows), micro_batch_size):
+            chunk = rows[i:i + micro_batch_size]
+            lps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
+                                  temperature=temperature)
+            for r, lp in zip(chunk, lps):
+                setattr(r, attr, lp.detach().cpu())
+
+
+def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
+    """Accumulate the gradient of ONE minibatch over micro-batches, exactly.
+
+    The aggregation weights are computed once for the whole minibatch and sliced per micro-batch, so
+    sum(micro losses) == minibatch loss and the accumulated gradient equals the one-big-batch gradient.
+    (The original article zeroed the gradients every batch but stepped every k batches: k-1 of every k
+    gradients were silently dropped.) Returns (loss, stats), or (None, stats) when the loss was not finite.
+    """
+    _, mask_all = pad_right([r.action_ids for r in rows])
+    weights_all = aggregation_weights(mask_all, cfg.agg, [r.traj_id for r in rows])
+    total, sums = 0.0, Counter()
+    for i in range(0, len(rows), cfg.micro_batch_size):
+        chunk = rows[i:i + cfg.micro_batch_size]
+        logp = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
+                               temperature=cfg.temperature)
+        logp_BT, mask_BT = pad_right(logp)
+        dev = logp_BT.device
+        old_BT, _ = pad_right([r.old_logp.to(dev) for r in chunk])
+        ref_BT, _ = pad_right([r.ref_logp.to(dev) for r in chunk])
+        adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
+        w_BT = weights_all[i:i + len(chunk), :mask_BT.shape[1]].to(dev)
+        loss, st = grpo_loss(logp_BT, old_BT, ref_BT, adv_B, mask_BT, clip_low=cfg.clip_low,
+                             clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, weights=w_BT)
+        if not torch.isfinite(loss):
+            return None, {}
+        loss.backward()
+        total += loss.item()
+        for k in ("clip_frac", "kl", "ratio_mean"):  # token-weighted averages over the minibatch
+            sums[k] += st[k] * st["tokens"]
+        sums["tokens"] += st["tokens"]
+    return total, {k: sums[k] / max(1, sums["tokens"]) for k in ("clip_frac", "kl", "ratio_mean")}
+
+
+def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
+    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    trajs = sorted({r.traj_id for r in rows})
+    stats, losses, skipped, norms = Counter(), [], 0, []
+    model.train()
+    for epoch in range(cfg.ppo_epochs):
+        random.Random(cfg.seed * 1000 + step * 10 + epoch).shuffle(trajs)  # own RNG: resumable, no global state
+        n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
+        for k in range(n_mb):
+            chosen = set(trajs[k::n_mb])
+            mb = [r for r in rows if r.traj_id in chosen]
+            optimizer.zero_grad(set_to_none=True)
+            loss, st = minibatch_loss_and_backward(model, mb, cfg)
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
+            if loss is None or not torch.isfinite(norm):  # skip: never let one NaN poison the adapter
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            optimizer.step()
+            losses.append(loss)
+            norms.append(norm.item())
+            for key, v in st.items():
+                stats[key] += v
+    done = max(1, len(losses))
+    out = {key: stats[key] / done for key in ("clip_frac", "kl", "ratio_mean")}
+    out.update(loss=sum(losses) / done if losses else float("nan"), grad_norm=sum(norms) / done if norms else 0.0,
+               skipped_updates=skipped)
+    return out
+
+
+def make_optimizer(model, cfg: Config):
+    """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_lambda(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, rng: dict,
+                    cfg: Config) -> Path:
+    """checkpoint-<step>/: the adapter in standard peft format (adapter_config.json +
+    adapter_model.safetensors, loadable by vLLM --enable-lora) plus everything needed to resume exactly.
+    Written to a temporary folder and renamed, so a crash mid-save never leaves a half checkpoint."""
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".tmp-checkpoint-{step}"
+    model.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "data": dataclasses.asdict(data), "rng": rng}, tmp / "trainer_state.pt")
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Optional[Path]:
+    found = [(int(p.name.split("-")[1]), p) for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    return max(found)[1] if found else None
+
+
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -> int:
+    """Restore adapter weights, optimizer, scheduler, data position and RNG; returns the step reached."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    data.epoch, data.pos = state["data"]["epoch"], state["data"]["pos"]
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def trim_jsonl(path: Path, max_step: int) -> None:
+    """On resume, drop log lines of steps after the checkpoint (they will be produced again)."""
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= max_step]
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def trajectory_metrics(states: list[AgentState]) -> dict:
+    """Counts over a batch of trajectories: turns, parse failures, tool calls per tool, tool errors."""
+    stats = sum((st.stats for st in states), Counter())
+    turns = sum(len(st.turns) for st in states)
+    return {"turns_per_traj": turns / max(1, len(states)),
+            "plan_parse_fail": stats["parse_fail:plan"] / max(1, turns),
+            "tool_error_rate": stats["tool_error"] / max(1, turns),
+            "tool_calls": {k.split(":", 1)[1]: v for k, v in sorted(stats.items()) if k.startswith("tool:")}}
+
+
+def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
+               tools: dict, cfg: Config, step: int) -> tuple[dict, list[AgentState], list[float]]:
+    """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards."""
+    G = cfg.group_size
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    states = rollout(model, tokenizer, [b["question"] for b in batch], group_size=G, fixed=fixed, tools=tools,
+                     temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns,
+                     memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers, timings=timings)
+    truths = [b["answer"] for b in batch for _ in range(G)]
+    rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
+                                       truths, judge)
+    group_ids = [i // G for i in range(len(states))]
+    adv = group_advantages(rewards, group_ids, cfg.adv_scale)
+    rows = build_rows(states, adv, G)
+    rollout_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    if cfg.old_logprobs == "recompute":  # one no-grad pass with the same code the update uses: ratio == 1
+        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size, attr="old_logp")
+    else:
+        for r in rows:
+            r.old_logp = r.behaviour_logp
+    fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+                  attr="ref_logp", base=True)
+    lr = scheduler.get_last_lr()[0]  # the learning rate of this step's updates
+    upd = update_policy(model, optimizer, rows, cfg, step)
+    scheduler.step()
+    update_s = time.perf_counter() - t1
+
+    gen_tokens = sum(len(r.action_ids) for r in rows)
+    metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd,
+               "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states),
+               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr,
+               "rollout_s": rollout_s, "update_s": update_s,
+               "planner_tokens_per_s": gen_tokens / max(1e-9, timings.get("planner", 0.0)),
+               "time_planner_s": timings.get("planner", 0.0), "time_fixed_s": timings.get("fixed", 0.0),
+               "time_tools_s": timings.get("tools", 0.0)}
+    return metrics, states, rewards
+
+
+class GracefulInterrupt:
+    """First Ctrl-C: finish the current step, save a checkpoint, stop. Second Ctrl-C: stop at once.
+    (Stopping mid-update would save an adapter that is half a step ahead of its optimizer and RNG.)"""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        import signal
+
+        self._old = signal.getsignal(signal.SIGINT)
+        try:
+            signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread (e.g. inside some test runners): keep default behaviour
+            self._old = None
+        return self
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log("\nCtrl-C: finishing this step, then saving a checkpoint (press again to stop now, unsaved)")
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+def train(cfg: Config) -> Path:
+    """The main loop. Returns the folder of the last checkpoint."""
+    from tqdm import tqdm
+
+    device = pick_device(cfg)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_rows = load_questions(cfg.train_file)
+    model, tokenizer = load_policy(cfg, device, trainable=True)
+    fixed = make_fixed_engine(cfg, model, tokenizer)
+    judge = make_judge(cfg, fixed)
+    tools = make_tools([t.strip() for t in cfg.tools.split(",") if t.strip()], fixed, timeout_s=cfg.tool_timeout_s)
+    optimizer, scheduler = make_optimizer(model, cfg)
+    data = DataStream(len(data_rows), cfg.seed)
+    start = 0
+    if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:
+        start = load_checkpoint(ckpt, model, optimizer, scheduler, data)
+        log(f"resumed from {ckpt} (step {start})")
+    elif cfg.resume:
+        log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        trim_jsonl(out_dir / name, start)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
+        f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
+
+    last = latest_checkpoint(out_dir)
+    rng = rng_state()
+    bar = tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True)
+    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a") as mf, \
+            open(out_dir / "rollouts.jsonl", "a") as rf:
+        step = start
+        for step in bar:
+            batch = [data_rows[i] for i in data.next_batch(cfg.batch_size)]
+            metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
+                                                  tools, cfg, step)
+            mf.write(json.dumps(metrics) + "\n")
+            mf.flush()
+            for st, r in list(zip(states, rewards))[:cfg.log_rollouts]:
+                rf.write(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n")
+            rf.flush()
+            rng = rng_state()  # the state a resumed run must start step+1 from
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
+                            kl=f"{metrics['kl']:.4f}")
+            if step % cfg.save_every == 0 or step == cfg.max_steps or interrupt.requested:
+                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, data, rng, cfg)
+            if interrupt.requested:
+                log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
+                break
+    bar.close()
+    return last
+
+
+
+def digit_share(text: str) -> float:
+    """The toy task's reward: the share of characters that are digits. digit_share("a1b2") -> 0.5"""
+    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
+                       lr: float = 2e-2, show: Optional[Callable[[int, float], None]] = None) -> list[float]:
+    """Train the tiny model on a single-turn toy task and return the mean reward per step.
+
+    The task: answer with digits (reward = digit_share of the action). A random byte-level model starts
+    near 10/259 ~ 4%. Sampling, advantages, loss and update are the trainer's own functions
+    (sample_actions, group_advantages, fill_logprobs, update_policy), so a rising curve means the whole
+    update path has the right sign and scale - this is the learning test and the README's curve.
+    """
+    cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
+                 max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
+                 # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
+                 lora_targets=Config.lora_targets + ",lm_head")
+    torch.manual_seed(seed)
+    model, tokenizer = load_policy(cfg, "cpu", trainable=True)
+    optimizer, scheduler = make_optimizer(model, cfg)
+    prompts = [render_chat(tokenizer, f"Reply with digits only. Task {i}.") for i in range(batch)]
+    curve = []
+    for step in range(1, steps + 1):
+        model.eval()
+        samples = sample_actions(model, tokenizer, [p for p in prompts for _ in range(group)],
+                                 max_new_tokens=max_new_tokens, temperature=cfg.temperature)
+        rewards = [digit_share(s.text) for s in samples]
+        adv = group_advantages(rewards, [i // group for i in range(len(samples))])
+        rows = [Row(s.prompt_ids, s.action_ids, s.logprobs, float(a), i, i // group)
+                for i, (s, a) in enumerate(zip(samples, adv))]
+        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="old_logp")
+        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="ref_logp", base=True)
+        update_policy(model, optimizer, rows, cfg, step)
+        scheduler.step()
+        curve.append(sum(rewards) / len(rewards))
+        if show:
+            show(step, curve[-1])
+    return curve
+
+# =====================================================================================================
+# 13. Evaluation and the command line
+# =====================================================================================================
+
+
+def build_agent(cfg: Config, device: str):
+    """Policy (with --adapter when given), fixed engine, judge and tools for --ask / --eval / --benchmark."""
+    model, tokenizer = load_policy(cfg, device, trainable=False)
+    fixed = make_fixed_engine(cfg, model, tokenizer)
+    tools = make_tools([t.strip() for t in cfg.tools.split(",") if t.strip()], fixed, timeout_s=cfg.tool_timeout_s)
+    planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    return model, tokenizer, fixed, tools, planner
+
+
+def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
+    """Greedy solve of the validation set; prints accuracy overall and per source."""
+    from tqdm import tqdm
+
+    rows = load_questions(cfg.val_file, cfg.eval_limit)
+    _, _, fixed, tools, planner = build_agent(cfg, device)
+    judge = make_judge(cfg, fixed)
+    correct: list[float] = []
+    for i in tqdm(range(0, len(rows), batch), desc="eval", dynamic_ncols=True):
+        chunk = rows[i:i + batch]
+        states = solve_batch([r["question"] for r in chunk], planner=planner.generate, fixed=fixed, tools=tools,
+                             max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
+        rewards, _ = judge_rewards([r["question"] for r in chunk], [st.final_output for st in states],
+                                   [r["answer"] for r in chunk], judge)
+        correct += rewards
+    by_source: dict[str, list[float]] = {}
+    for r, c in zip(rows, correct):
+        by_source.setdefault(r["source"], []).append(c)
+    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct),
+              "by_source": {s: sum(v) / len(v) for s, v in sorted(by_source.items())},
+              "adapter": cfg.adapter or "(base model)"}
+    print(f"accuracy {result['accuracy']:.3f} on {len(correct)} questions from {cfg.val_file} "
+          f"(planner: {result['adapter']})")
+    for s, acc in result["by_source"].items():
+        print(f"  {s}: {acc:.3f} ({len(by_source[s])} questions)")
+    return result
+
+
+def ask(cfg: Config, device: str) -> AgentState:
+    """--ask: one question, the whole trajectory printed."""
+    _, _, fixed, tools, planner = build_agent(cfg, device)
+    st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
+                     memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
+    print(format_trajectory(st))
+    print(f"ANSWER: {extract_answer(st.final_output)}")
+    return st
+
+
+
+def _slow_openai_server(delay_s: float):
+    """A 127.0.0.1 stand-in for an OpenAI-compatible server that answers every request after `delay_s`,
+    like a remote model would. Returns (base_url, server); call server.shutdown() when done."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # keep the benchmark's output clean
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(delay_s)
+            body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in",
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": "ok"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1", server
+
+
+def _update_memory_probe(mode: str, prompt_len: int, action_len: int, vocab: int, queue) -> None:
+    """(Child process.) Peak RSS growth of one forward+backward that yields the action's log-probs:
+    'naive' = full-sequence logits and log-softmax, 'ours' = action_logprobs (LM head on action columns)."""
+    import resource
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                         tie_word_embeddings=True))
+    prompt = torch.randint(0, vocab, (prompt_len,))
+    action = torch.randint(0, vocab, (action_len,))
+    base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    if mode == "naive":
+        ids = torch.cat([prompt, action])[None]
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, prompt_len - 1:-1]
+        logp = logp.gather(-1, action[:, None]).squeeze(-1)
+    else:
+        logp = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
+    logp.sum().backward()
+    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mb)
+
+
+def update_memory_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
+    """Run _update_memory_probe in a fresh process (peak RSS is per process and never goes down)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_update_memory_probe, args=(mode, prompt_len, action_len, vocab, queue))
+    proc.start()
+    proc.join()
+    return queue.get(timeout=5)
+
+
+def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
+    """Measure what lockstep batching and concurrency buy, and the memory of the update.
+
+    (a) the same questions, G trajectories each, with the same engines, seed, turns and token limits:
+        lockstep (exactly the trainer's rollout) vs one trajectory at a time (the original article's loop);
+    (b) G remote calls to a stand-in server that answers after 100 ms: concurrent vs one after another;
+    (c) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs.
+    """
+    questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
+    model, tokenizer = load_policy(cfg, device, trainable=True)
+    fixed = make_fixed_engine(cfg, model, tokenizer)
+    tools = make_tools([t.strip() for t in cfg.tools.split(",") if t.strip()], fixed, timeout_s=cfg.tool_timeout_s)
+    kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+              max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
+    rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs
+    report: dict[str, Any] = {}
+    for mode in ("lockstep", "sequential"):
+        torch.manual_seed(cfg.seed)
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if mode == "lockstep":
+            states = rollout(model, tokenizer, questions, group_size=group, timings=timings, **kw)
+        else:
+            states = [st for q in questions for _ in range(group)
+                      for st in rollout(model, tokenizer, [q], group_size=1, timings=timings, **kw)]
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(t.planner_output.action_ids) for st in states for t in st.turns)
+        report[mode] = {"seconds": seconds, "trajectories": len(states), "planner_tokens": tokens,
+                        "planner_tokens_per_s": tokens / max(1e-9, timings.get("planner", 0.0)), **timings}
+        if mode == "lockstep":  # one update on this batch, to show its share of a training step
+            rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
+                                                       [i // group for i in range(len(states))]), group)
+            optimizer, _ = make_optimizer(model, cfg)
+            t1 = time.perf_counter()
+            fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size, attr="old_logp")
+            fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+                          attr="ref_logp", base=True)
+            update_policy(model, optimizer, rows, cfg, step=1)
+            report[mode]["update"] = time.perf_counter() - t1
+    speedup = report["sequential"]["seconds"] / report["lockstep"]["seconds"]
+    print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner tokens, "
+          f"model {cfg.model} on {device}")
+    for mode in ("lockstep", "sequential"):
+        r = report[mode]
+        where = ", ".join(f"{k} {r[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in r)
+        print(f"  {mode:10s} {r['seconds']:7.2f}s  planner {r['planner_tokens_per_s']:8.1f} tok/s  ({where})")
+    print(f"rollout speedup: {speedup:.1f}x (lockstep vs sequential)")
+
+    url, server = _slow_openai_server(0.1)
+    try:
+        remote = OpenAIEngine(url, "stand-in", workers=group)
+        prompts = [f"question {i}" for i in range(group)]
+        remote.generate(prompts[:1])  # warm-up: connection set-up
+        t0 = time.perf_counter()
+        remote.generate(prompts)
+        concurrent_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p in prompts:
+            remote.ask(p)
+        serial_s = time.perf_counter() - t0
+    finally:
+        server.shutdown()
+    print(f"  remote: {group} calls of 100 ms: concurrent {concurrent_s:.2f}s, one after another {serial_s:.2f}s")
+    print(f"remote concurrency speedup: {serial_s / concurrent_s:.1f}x")
+
+    naive, ours = update_memory_mb("naive"), update_memory_mb("ours")
+    print(f"update memory: naive {naive:.0f} MB vs ours {ours:.0f} MB (4096-token prompt + 256-token action, "
+          f"151,936-token vocabulary, forward+backward, peak RSS growth; {ours / naive:.2f} of naive)")
+    report.update(rollout_speedup=speedup, remote_speedup=serial_s / concurrent_s, memory_naive_mb=naive,
+                  memory_ours_mb=ours)
+    return report
+
+
+def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> list[list[float]]:
+    """--learning-curve: the toy task for 3 seeds; prints reward per step (a text chart) and, when matplotlib
+    is installed, writes <output_dir>/learning_curve.png."""
+    curves = []
+    for seed in seeds:
+        t0 = time.perf_counter()
+        curves.append(toy_learning_curve(seed=seed, steps=steps))
+        log(f"seed {seed}: {time.perf_counter() - t0:.1f}s")
+    print("step  " + "  ".join(f"seed{s}" for s in seeds) + "   mean  (reward = share of digits in the answer)")
+    for t in range(steps):
+        mean = sum(c[t] for c in curves) / len(curves)
+        print(f"{t + 1:4d}  " + "  ".join(f"{c[t]:5.2f}" for c in curves) + f"  {mean:5.2f}  " + "#" * round(40 * mean))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return curves
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    for s, c in zip(seeds, curves):
+        plt.plot(range(1, steps + 1), c, label=f"seed {s}")
+    plt.xlabel("training step")
+    plt.ylabel("mean reward (share of digits)")
+    plt.title("Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
+    plt.legend()
+    plt.savefig(Path(cfg.output_dir) / "learning_curve.png", dpi=100)
+    print(f"wrote {Path(cfg.output_dir) / 'learning_curve.png'}")
+    return curves
+
+def main(argv: Optional[list[str]] = None) -> int:
+    cfg = parse_config(argv)
+    device = pick_device(cfg)
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    if device == "cpu" and cfg.device == "auto" and cfg.model != "tiny":
+        # No silent fallback: a 1.5B policy on CPU would crawl for hours. Say what to run instead.
+        print(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
+              f"--preset smoke (or force --device cpu)", file=sys.stderr)
+        return 2
+    if cfg.preset == "smoke":
+        ensure_sample_data(cfg)
+    if cfg.ask:
+        ask(cfg, device)
+    elif cfg.eval:
+        evaluate(cfg, device)
+    elif cfg.benchmark:
+        benchmark(cfg, device)
+    elif cfg.learning_curve:
+        learning_curve(cfg)
+    else:
+        train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1536 @@
+"""Tests of flow-grpo: offline, CPU only, no network (local 127.0.0.1 servers stand in for MediaWiki, web
+pages and OpenAI-compatible endpoints). Run: python -m pytest -q
+
+Sections follow flow_grpo.py: data preparation; config and CLI; the tolerant parser; engines; tools and the
+sandbox; the solver; sampling and log-probs; reward; advantages and loss; the training loop.
+"""
+import ast
+import dataclasses
+import http.server
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+import wikipedia
+from pydantic import BaseModel
+
+import flow_grpo as fg
+import prepare_data
+from flow_grpo import (TOOL_CLASSES, GeneralistTool, PythonCoderTool, WebRAGTool, WikipediaTool, bm25_top_k,
+                       chunk_words, embedding_top_k, fetch_limited, make_tools, page_text, run_python)
+
+ROOT = Path(__file__).resolve().parent
+
+
+class ScriptedEngine(fg.Engine):
+    """Test double: answers each prompt with fn(prompt); schema outputs go through the real parser."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def _complete(self, prompts, max_tokens, schema):
+        self.calls += prompts
+        return [self.fn(p) for p in prompts]
+
+
+# ====================================================================================================
+# prepare_data.py
+# ====================================================================================================
+
+SCRIPT = prepare_data.__file__
+COLUMNS = ["id", "question", "chain", "result", "source", "extra_info"]
+
+
+def run_script(*args, env=None, timeout=120):
+    """Run prepare_data.py in a subprocess, as a user would."""
+    return subprocess.run(
+        [sys.executable, SCRIPT, *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+
+
+def read(out_dir):
+    """(train, val) DataFrames written under out_dir."""
+    return (pd.read_parquet(out_dir / "train" / "combined_train.parquet"),
+            pd.read_parquet(out_dir / "val" / "aime24.parquet"))
+
+
+# ---------------------------------------------------------------- normalise_answers
+
+
+@pytest.mark.parametrize("value, expected", [
+    (["USA", "United States"], "USA; United States"),
+    ([" Paris ", "", "  "], "Paris"),
+    (["a", "a", "b"], "a; b"),                         # duplicates dropped
+    (("x", None, float("nan"), "y"), "x; y"),
+    ([["nested", "list"], ("tuple",)], "nested; list; tuple"),
+    (np.array(["Au", "gold"]), "Au; gold"),
+    (np.array(["one", None, np.nan, ""], dtype=object), "one"),
+    (np.array([["USA", "US"], ["", "America"]], dtype=object), "USA; US; America"),
+    (np.array([[1, 2], [3, 4]]), "1; 2; 3; 4"),         # 2-D numeric
+    (np.array([1.5, np.nan]), "1.5"),
+    (np.array([], dtype=object), ""),
+    (np.array("zero-d"), "zero-d"),                     # 0-d array
+    (np.array([np.array(["a", "b"]), np.array(["c"])], dtype=object), "a; b; c"),
+    ("  Jane Austen \n", "Jane Austen"),
+    ("", ""),
+    ("   ", ""),
+    (42, "42"),
+    (-7, "-7"),
+    (2.5, "2.5"),
+    (1945.0, "1945"),                                   # integral float
+    (np.int64(12), "12"),
+    (np.float64(0.25), "0.25"),
+    (np.float32(3.0), "3"),
+    (None, ""),
+    (float("nan"), ""),
+    (np.nan, ""),
+    (np.float64("nan"), ""),
+    (pd.NA, ""),
+    ([pd.NA, "x", pd.NaT], "x"),
+    ("nan", ""),                                        # CSV-mangled missing
+    (pd.Series(["a", None, "b"]), "a; b"),
+])
+def test_normalise_answers(value, expected):
+    assert prepare_data.normalise_answers(value) == expected
+
+
+@pytest.mark.parametrize("value", [
+    float("nan"), np.nan, pd.NA, None, [np.nan, None], np.array([np.nan]),
+    np.array([[np.nan, 1.0]]), ("NaN", "ok"), pd.Series([np.nan, "ok"]),
+])
+def test_normalise_answers_never_returns_nan(value):
+    out = prepare_data.normalise_answers(value)
+    assert isinstance(out, str)
+    assert "nan" not in out.lower()
+
+
+# ---------------------------------------------------------------- normalise_question
+
+
+@pytest.mark.parametrize("q, expected", [
+    ("who wrote the iliad", "who wrote the iliad?"),
+    ("  who wrote the iliad  \n", "who wrote the iliad?"),
+    ("who wrote the iliad?", "who wrote the iliad?"),     # not doubled
+    ("who wrote the iliad ? ", "who wrote the iliad ?"),
+    ("", ""),
+    ("   ", ""),
+    (None, ""),
+])
+def test_normalise_question(q, expected):
+    assert prepare_data.normalise_question(q) == expected
+
+
+def test_normalise_question_is_idempotent():
+    once = prepare_data.normalise_question(" what is 2 + 2 ")
+    assert prepare_data.normalise_question(once) == once
+    assert once.count("?") == 1
+
+
+# ---------------------------------------------------------------- row functions
+
+
+def test_row_functions_share_one_schema():
+    rows = [
+        prepare_data.math_row({"question": " Q1 ", "final_answer": " 3/4 "}, 5),
+        prepare_data.nq_row({"question": "who is x", "golden_answers": ["A", "B"]}, 6),
+        prepare_data.aime_row({"problem": "P", "answer": "033"}, 7),
+    ]
+    assert [r["source"] for r in rows] == ["mathhard", "nq", "aime24"]
+    assert [r["result"] for r in rows] == ["3/4", "A; B", "33"]
+    assert [r["question"] for r in rows] == ["Q1", "who is x?", "P"]
+    for r, idx in zip(rows, (5, 6, 7)):
+        assert list(r) == COLUMNS
+        assert r["chain"] == ""
+        assert r["extra_info"] == {"ground_truth": r["result"], "idx": idx}
+
+
+def test_aime_row_rejects_non_integer_answer():
+    with pytest.raises(ValueError):
+        prepare_data.aime_row({"problem": "P", "answer": "1/2"}, 0)
+
+
+def test_subset_indices():
+    assert prepare_data.subset_indices(5, None, 0) == [0, 1, 2, 3, 4]
+    assert prepare_data.subset_indices(5, 10, 0) == [0, 1, 2, 3, 4]
+    picked = prepare_data.subset_indices(1000, 10, seed=1)
+    assert len(set(picked)) == 10 and picked == sorted(picked)
+    assert picked == prepare_data.subset_indices(1000, 10, seed=1)
+    assert picked != prepare_data.subset_indices(1000, 10, seed=2)
+    assert picked != list(range(10))  # a random subset, not the head
+
+
+def test_combine_shuffles_and_reindexes():
+    a = [prepare_data.make_row(f"a{i}", "1", "mathhard", i) for i in range(20)]
+    b = [prepare_data.make_row(f"b{i}", "2", "nq", i) for i in range(20)]
+    rows = prepare_data.combine([a, b], seed=3)
+    assert [r["id"] for r in rows] == list(range(40))
+    assert sorted(r["question"] for r in rows) == sorted(r["question"] for r in a + b)
+    assert [r["question"] for r in rows] != [r["question"] for r in a + b]
+    assert a[0]["id"] == 0 and a[5]["id"] == 5  # inputs are not mutated
+
+
+def test_write_dataset_roundtrip(tmp_path):
+    rows = [prepare_data.make_row("q?", "Paris; Rome", "nq", 9)]
+    path = prepare_data.write_dataset(rows, tmp_path / "deep" / "er" / "x.parquet")
+    assert path.exists()
+    table = pq.read_table(path)
+    assert table.column_names == COLUMNS
+    assert str(table.schema.field("extra_info").type) == \
+        "struct<ground_truth: string, idx: int64>"
+    assert table.to_pylist() == rows
+
+
+def test_max_samples_must_be_positive():
+    with pytest.raises(SystemExit):
+        prepare_data.parse_args(["--max-samples", "0"])
+
+
+# ---------------------------------------------------------------- built-in answers
+
+# Names the checks may use; no other builtins.
+SAFE = {"__builtins__": {}, "math": math, "sum": sum, "range": range, "len": len,
+        "all": all, "abs": abs, "pow": pow, "str": str}
+
+
+def integer_solutions(check, near):
+    """Integers x in [-1000, 1000] or within 1000 of `near` where check holds."""
+    code = compile(check, "<check>", "eval")
+    candidates = sorted(set(range(-1000, 1001)) | set(range(near - 1000, near + 1001)))
+    return [x for x in candidates if eval(code, {**SAFE, "x": x})]
+
+
+@pytest.mark.parametrize("question, answer, check",
+                         prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_AIME)
+def test_builtin_math_answer_is_the_unique_solution(question, answer, check):
+    # The stored answer must satisfy the check, and be the ONLY integer that
+    # does: a check that accepted several values would prove nothing.
+    assert answer == str(int(answer)), "answers are canonical integer strings"
+    assert integer_solutions(check, near=int(answer)) == [int(answer)], question
+
+
+def test_builtin_sets_have_expected_sizes():
+    assert len(prepare_data.SAMPLE_MATH) >= 35
+    assert len(prepare_data.SAMPLE_NQ) >= 35
+    assert len(prepare_data.SAMPLE_AIME) == 10
+    questions = [q for q, *_ in prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_NQ]
+    assert len(set(questions)) == len(questions), "duplicate questions"
+
+
+# ---------------------------------------------------------------- --sample CLI
+
+
+@pytest.fixture(scope="module")
+def sample42(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sample42")
+    proc = run_script("--sample", "--out-dir", out)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_sample_writes_both_files_with_schema(sample42):
+    out, proc = sample42
+    train, val = read(out)
+    for df in (train, val):
+        assert list(df.columns) == COLUMNS
+        assert df["id"].tolist() == list(range(len(df)))
+        assert (df["chain"] == "").all()
+        assert (df["result"].str.len() > 0).all()
+        assert [e["ground_truth"] for e in df["extra_info"]] == df["result"].tolist()
+    assert train["source"].value_counts().to_dict() == {
+        "mathhard": len(prepare_data.SAMPLE_MATH), "nq": len(prepare_data.SAMPLE_NQ)}
+    assert set(val["source"]) == {"aime24"} and len(val) == 10
+    # Shuffled: both sources appear within the first 20 rows.
+    assert set(train["source"][:20]) == {"mathhard", "nq"}
+    # idx points back at the row of the built-in list it came from.
+    for q, e in zip(train["question"], train["extra_info"]):
+        if e["idx"] < len(prepare_data.SAMPLE_MATH) and \
+                prepare_data.SAMPLE_MATH[e["idx"]][0] == q:
+            break
+    else:
+        pytest.fail("no mathhard row traces back through extra_info.idx")
+
+
+def test_sample_prints_counts_and_paths(sample42):
+    out, proc = sample42
+    assert f"mathhard: {len(prepare_data.SAMPLE_MATH)} rows" in proc.stdout
+    assert f"nq: {len(prepare_data.SAMPLE_NQ)} rows" in proc.stdout
+    assert "aime24: 10 rows" in proc.stdout
+    assert str(out / "train" / "combined_train.parquet") in proc.stdout
+    assert str(out / "val" / "aime24.parquet") in proc.stdout
+
+
+def test_sample_file_math_answers_are_correct(sample42):
+    # Verify the written rows, not just the source list.
+    checks = {q: c for q, _, c in prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_AIME}
+    train, val = read(sample42[0])
+    math_rows = pd.concat([train[train["source"] == "mathhard"], val])
+    assert len(math_rows) == len(checks)
+    for q, result in zip(math_rows["question"], math_rows["result"]):
+        assert eval(checks[q], {**SAFE, "x": int(result)}), q
+
+
+def test_sample_validation_answers_are_integer_strings(sample42):
+    _, val = read(sample42[0])
+    for result in val["result"]:
+        assert result.lstrip("-").isdigit(), result
+
+
+def test_sample_nq_questions_and_answers(sample42):
+    train, _ = read(sample42[0])
+    nq = train[train["source"] == "nq"]
+    for q in nq["question"]:
+        assert q == q.strip() and q.endswith("?") and not q.endswith("??")
+    assert any("; " in r for r in nq["result"]), "some rows have several answers"
+    assert not any("nan" == part.lower() for r in nq["result"] for part in r.split("; "))
+
+
+def test_same_seed_same_order_other_seed_other_order(sample42, tmp_path):
+    train42, _ = read(sample42[0])
+    assert run_script("--sample", "--out-dir", tmp_path / "a").returncode == 0
+    assert run_script("--sample", "--seed", 7, "--out-dir", tmp_path / "b").returncode == 0
+    again, _ = read(tmp_path / "a")
+    other, _ = read(tmp_path / "b")
+    assert again["question"].tolist() == train42["question"].tolist()
+    assert other["question"].tolist() != train42["question"].tolist()
+    assert sorted(other["question"]) == sorted(train42["question"])
+
+
+def test_build_sample_in_process_matches_cli(sample42):
+    train, val = prepare_data.build_sample(seed=42)
+    file_train, file_val = read(sample42[0])
+    assert [r["question"] for r in train] == file_train["question"].tolist()
+    assert [r["result"] for r in val] == file_val["result"].tolist()
+
+
+def test_max_samples_limits_each_training_source(tmp_path):
+    proc = run_script("--sample", "--max-samples", 5, "--out-dir", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    train, val = read(tmp_path)
+    assert train["source"].value_counts().to_dict() == {"mathhard": 5, "nq": 5}
+    assert train["id"].tolist() == list(range(10))
+    assert len(val) == 10  # validation is always complete
+    assert "mathhard: 5 rows" in proc.stdout
+
+
+# ---------------------------------------------------------------- other CLI paths
+
+
+def test_help_lists_every_option():
+    proc = run_script("--help")
+    assert proc.returncode == 0
+    for option in ("--out-dir", "--max-samples", "--seed", "--sample"):
+        assert option in proc.stdout
+    # every option has a help string, so the text is more than the usage line
+    text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
+    assert "offline" in text and "(default: 42)" in text
+
+
+def test_offline_hub_failure_is_one_clean_line(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"))  # empty cache: nothing to fall back on
+    proc = run_script("--out-dir", tmp_path / "out", env=env, timeout=60)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:")
+    assert "--sample" in lines[0] and prepare_data.MATH_DATASET in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_build_hub_with_fake_datasets(monkeypatch):
+    # The real Hub is unreachable here, so feed build_hub small in-memory
+    # datasets.Dataset objects shaped like the real ones.
+    from datasets import Dataset
+
+    fakes = {
+        prepare_data.MATH_DATASET: Dataset.from_dict({
+            "question": [f"m{i}" for i in range(8)],
+            "final_answer": [str(i) for i in range(8)],
+            "r1_solution_1": ["long text"] * 8,          # dropped column
+        }),
+        prepare_data.NQ_DATASET: Dataset.from_dict({
+            "id": [str(i) for i in range(8)],
+            "question": [f"who is {i}" for i in range(8)],
+            "golden_answers": [[f"A{i}", f"B{i}"] for i in range(7)] + [[]],
+        }),
+        prepare_data.AIME_DATASET: Dataset.from_dict({
+            "problem": ["p0", "p1"], "answer": ["204", "033"]}),
+    }
+    monkeypatch.setattr(prepare_data, "probe_hub", lambda: None)
+    monkeypatch.setattr(prepare_data, "load_hub",
+                        lambda name, config=None, **kw: fakes[name])
+
+    train, val = prepare_data.build_hub(seed=0, max_samples=None)
+    assert prepare_data.count_by_source(train) == {"mathhard": 8, "nq": 7}  # empty answer dropped
+    assert [r["id"] for r in train] == list(range(15))
+    nq = {r["question"]: r for r in train if r["source"] == "nq"}
+    assert nq["who is 3?"]["result"] == "A3; B3"
+    assert nq["who is 3?"]["extra_info"]["idx"] == 3
+    assert [r["result"] for r in val] == ["204", "33"]
+
+    small, _ = prepare_data.build_hub(seed=0, max_samples=3)
+    # The subset is drawn first, then rows without an answer are dropped.
+    expected_nq = 3 - (7 in prepare_data.subset_indices(8, 3, seed=0))
+    assert prepare_data.count_by_source(small) == {"mathhard": 3, "nq": expected_nq}
+    for r in small:  # idx still points at the row in the full source
+        if r["source"] == "mathhard":
+            assert r["question"] == f"m{r['extra_info']['idx']}"
+
+
+# ====================================================================================================
+# Tools and the sandbox
+# ====================================================================================================
+
+class _Handler(BaseHTTPRequestHandler):
+    """Dispatches every GET/POST to server.route(handler) -- each test supplies the route."""
+    def do_GET(self):
+        try:
+            self.server.route(self)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client stopped reading (e.g. at max_bytes) -- expected
+
+    do_POST = do_GET
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+
+def send(handler, status=200, body=b"", content_type="text/html; charset=utf-8"):
+    body = body if isinstance(body, bytes) else body.encode("utf-8")
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@contextmanager
+def local_server(route):
+    """Yields the base URL of a threaded HTTP server whose requests go to route(handler)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True  # a hanging handler must not block shutdown
+    server.route = route
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    """A proxy configured in the environment must not intercept 127.0.0.1 requests."""
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
+def echo_engine():
+    """The engine's reply is the prompt itself, so tests can see what reached it."""
+    return ScriptedEngine(lambda prompt: prompt)
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie). Killed orphans can stay zombies when PID 1 does not reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+# ----------------------------------------------------------------------------- sandbox
+
+def test_clean_run_returns_stdout_and_no_error():
+    result = run_python("print(6 * 7)\nprint('ünïcode')")
+    assert result == {"stdout": "42\nünïcode\n", "stderr": "", "error": None,
+                      "timed_out": False, "returncode": 0}
+
+
+def test_busy_loop_times_out_quickly():
+    start = time.monotonic()
+    result = run_python("print('started')\nwhile True:\n    pass", timeout_s=2)
+    elapsed = time.monotonic() - start
+    assert result["timed_out"] is True
+    assert result["error"] == "timed out after 2.0 s"
+    assert result["stdout"] == "started\n"  # -u: output before the kill is kept
+    assert 1.9 < elapsed < 5
+    assert run_python("print('still fine')")["stdout"] == "still fine\n"  # we survived
+
+
+def test_sleep_times_out():
+    start = time.monotonic()
+    result = run_python("import time\ntime.sleep(100)", timeout_s=1)
+    assert result["timed_out"] and result["returncode"] == -9
+    assert time.monotonic() - start < 4
+
+
+def test_memory_bomb_is_an_error_not_a_crash():
+    result = run_python("x = bytearray(4 * 1024**3)\nprint('allocated')", memory_mb=256)
+    assert result["error"] == "MemoryError" and "allocated" not in result["stdout"]
+    growing = run_python("xs = []\nwhile True:\n    xs.append(bytearray(10**7))", memory_mb=256, timeout_s=10)
+    assert not growing["timed_out"] and growing["error"] is not None
+    assert "MemoryError" in growing["error"] or "memory" in growing["error"]
+
+
+def test_parent_secrets_are_not_visible(monkeypatch):
+    monkeypatch.setenv("FLOW_GRPO_TEST_SECRET", "hunter2-do-not-leak")
+    result = run_python("import os\nprint(dict(os.environ))")
+    assert result["error"] is None
+    assert "hunter2" not in result["stdout"] and "FLOW_GRPO_TEST_SECRET" not in result["stdout"]
+    assert "'PATH': '/usr/bin:/bin'" in result["stdout"]
+
+
+def test_stdin_is_empty_not_blocking():
+    start = time.monotonic()
+    result = run_python("import sys\nprint(repr(sys.stdin.read()))\ninput()", timeout_s=5)
+    assert result["stdout"] == "''\n"
+    assert result["error"] == "EOFError: EOF when reading a line"
+    assert time.monotonic() - start < 3
+
+
+def test_huge_output_is_capped_and_fast():
+    start = time.monotonic()
+    result = run_python("print('x' * 50_000_000)", max_output_chars=1000)
+    assert time.monotonic() - start < 5
+    assert result["stdout"].startswith("x" * 1000)
+    assert len(result["stdout"]) < 1100 and "truncated" in result["stdout"]
+    assert result["error"].startswith("output limit exceeded")
+
+
+def test_exception_keeps_prior_stdout_and_names_the_error():
+    result = run_python("print('before')\nraise ValueError('boom')")
+    assert result["stdout"] == "before\n"
+    assert result["error"] == "ValueError: boom"
+    assert "Traceback" in result["stderr"] and result["returncode"] == 1
+
+
+def test_exit_codes_and_signals_are_described():
+    assert run_python("import os\nos._exit(3)")["error"] == "exited with code 3"
+    assert run_python("import sys\nsys.exit(0)")["error"] is None
+    killed = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert killed["error"].startswith("killed by signal 9") and killed["timed_out"] is False
+
+
+def test_children_left_behind_are_killed():
+    code = (
+        "import os, subprocess, time\n"
+        "p = subprocess.Popen(['sleep', '100'])\n"
+        "shell = subprocess.run('sleep 100 >/dev/null 2>&1 & echo $!', shell=True, capture_output=True, text=True)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(100)\n"
+        "    os._exit(0)\n"
+        "print(p.pid, int(shell.stdout), pid)\n"
+    )
+    result = run_python(code, timeout_s=5)
+    assert result["error"] is None, result
+    pids = [int(p) for p in result["stdout"].split()]
+    assert len(pids) == 3
+    deadline = time.monotonic() + 2  # SIGKILL delivery is asynchronous
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(alive(p) for p in pids)
+
+
+def test_temp_dir_is_cwd_and_removed():
+    result = run_python("import os\nopen('junk.txt', 'w').write('x')\nprint(os.getcwd())\nprint(os.environ['HOME'])")
+    cwd, home = result["stdout"].split()
+    assert cwd == home and os.path.basename(cwd).startswith("flowgrpo_run_")
+    assert not os.path.exists(cwd)
+
+
+def test_cwd_cannot_shadow_stdlib():
+    code = "import json\nprint(json.dumps([1]))"
+    # -I keeps the script's directory off sys.path; a local json.py would otherwise win
+    result = run_python("open('json.py', 'w').write('raise SystemExit(7)')\n"
+                        "import subprocess, sys\n"
+                        f"r = subprocess.run([sys.executable, '-I', '-c', {code!r}], capture_output=True, text=True)\n"
+                        "print(r.stdout.strip())")
+    assert result["stdout"] == "[1]\n"
+
+
+# ----------------------------------------------------------------------------- retrieval
+
+def test_chunk_words_size_and_overlap():
+    words = [f"w{i}" for i in range(10)]
+    chunks = chunk_words(" ".join(words), size=4, overlap=1)
+    assert chunks == ["w0 w1 w2 w3", "w3 w4 w5 w6", "w6 w7 w8 w9"]
+    assert chunk_words("", size=4, overlap=1) == []
+    assert chunk_words("a b", size=4, overlap=1) == ["a b"]
+    with pytest.raises(ValueError):
+        chunk_words("a b", size=3, overlap=3)
+
+
+def test_bm25_ranks_relevant_chunk_first():
+    chunks = [
+        "The cat sat on the mat and the cat slept.",
+        "Paris is the capital and largest city of France.",
+        "France is known for wine and cheese, and the capital is lovely.",
+        "Dogs are loyal animals that like long walks.",
+    ]
+    assert bm25_top_k("What is the capital of France?", chunks, k=2) == [1, 2]
+    assert bm25_top_k("loyal dogs", chunks, k=1) == [3]
+    assert bm25_top_k("zebra", chunks, k=3) == [0, 1, 2]  # no match: ties by index
+    assert bm25_top_k("cat", [], k=3) == []
+
+
+# ----------------------------------------------------------------------------- Tool base / registry
+
+def test_invalid_args_raise_value_error_naming_the_field():
+    tool = GeneralistTool(echo_engine())
+    with pytest.raises(ValueError, match=r"Generalist_Solution_Generator_Tool.*query: Field required"):
+        tool({})
+    with pytest.raises(ValueError, match=r"querry: Extra inputs are not permitted"):
+        tool({"query": "x", "querry": "y"})
+    with pytest.raises(ValueError, match="url"):
+        WebRAGTool(echo_engine())({"query": "q", "url": 5})
+    with pytest.raises(ValueError, match="JSON object"):
+        tool("just a string")
+
+
+def test_metadata_and_describe():
+    meta = WebRAGTool(echo_engine()).metadata()
+    assert meta["name"] == "Web_RAG_Search_Tool"
+    assert meta["input_schema"]["required"] == ["query", "url"]
+    assert meta["input_schema"]["properties"]["url"]["type"] == "string"
+    assert "title" not in meta["input_schema"]["properties"]["url"]
+    assert meta["limitations"] and meta["tips"] and meta["description"]
+    text = WebRAGTool(echo_engine()).describe()
+    assert text.startswith("Tool: Web_RAG_Search_Tool") and "url (string, required)" in text
+
+
+def test_make_tools():
+    tools = make_tools(["Python_Coder_Tool", "Wikipedia_RAG_Search_Tool"], echo_engine(), timeout_s=3)
+    assert set(tools) == {"Python_Coder_Tool", "Wikipedia_RAG_Search_Tool"}
+    assert tools["Python_Coder_Tool"].timeout_s == 3 and tools["Wikipedia_RAG_Search_Tool"].timeout_s == 3
+    with pytest.raises(ValueError, match="Google_Search_Tool.*Python_Coder_Tool"):
+        make_tools(["Google_Search_Tool"], echo_engine())
+    with pytest.raises(ValueError, match="timout_s"):
+        make_tools(["Python_Coder_Tool"], echo_engine(), timout_s=3)
+    assert set(TOOL_CLASSES) == {"Generalist_Solution_Generator_Tool", "Python_Coder_Tool",
+                                 "Wikipedia_RAG_Search_Tool", "Web_RAG_Search_Tool"}
+
+
+# ----------------------------------------------------------------------------- Generalist / Python coder
+
+def test_generalist_passes_query_to_engine():
+    engine = echo_engine()
+    answer = GeneralistTool(engine)({"query": "Why is the sky blue?"})
+    assert "Query: Why is the sky blue?" in answer and "step by step" in answer
+    assert len(engine.calls) == 1
+
+
+def test_python_coder_extracts_and_runs_code():
+    engine = ScriptedEngine(lambda p: "Here you go:\n```bash\nrm -rf /\n```\n```python\nprint(6 * 7)\n```")
+    result = PythonCoderTool(engine, timeout_s=5)({"query": "six times seven"})
+    assert result == {"code": "print(6 * 7)\n", "stdout": "42\n", "error": None}
+    assert "six times seven" in engine.calls[0] and "```python" in engine.calls[0]
+
+
+def test_python_coder_reports_missing_code_and_runtime_errors():
+    none = PythonCoderTool(ScriptedEngine(lambda p: "I cannot do that."))({"query": "x"})
+    assert none["code"] == "" and "no ```python code block" in none["error"]
+    bare = PythonCoderTool(ScriptedEngine(lambda p: "```\nprint(1/0)\n```"))({"query": "x"})
+    assert bare["code"] == "print(1/0)\n" and bare["error"] == "ZeroDivisionError: division by zero"
+    slow = PythonCoderTool(ScriptedEngine(lambda p: "```python\nwhile True: pass\n```"), timeout_s=1)
+    assert slow({"query": "x"})["error"] == "timed out after 1.0 s"
+
+
+# ----------------------------------------------------------------------------- Wikipedia (local MediaWiki stand-in)
+
+FILLER = " ".join(f"Filler sentence number {i} talks about weather, rivers and mountains." for i in range(80))
+PLANET_TEXT = (FILLER + " Mercury is the smallest planet and the closest to the Sun; "
+               "its orbital period is 88 days. " + FILLER.replace("Filler", "Padding"))
+DISAMBIG_HTML = ('<p>Mercury may refer to:</p><ul><li><a href="/wiki/Mercury_(planet)">Mercury (planet)</a></li>'
+                 '<li><a href="/wiki/Mercury_(element)">Mercury (element)</a></li></ul>')
+
+
+class FakeMediaWiki:
+    """Answers exactly the queries the `wikipedia` package sends (see its wikipedia.py):
+      search:        action=query&list=search&srsearch=Q&srlimit=10&srprop=&limit=10
+      page info:     action=query&prop=info|pageprops&inprop=url&ppprop=disambiguation&redirects=&titles=T
+      disambig list: action=query&prop=revisions&rvprop=content&rvparse=&rvlimit=1&titles=T
+      content:       action=query&prop=extracts|revisions&explaintext=&rvprop=ids&titles=T
+    """
+    pages = {"Mercury (planet)": ("101", PLANET_TEXT)}
+    disambiguation = {"Mercury": "202"}
+    search_results = {"orbital period of mercury": ["Mercury (planet)", "Mercury", "Mercury (missing)"],
+                      "nothing": []}
+
+    def __init__(self):
+        self.requests = []
+        self.release = threading.Event()  # set at teardown so a "hanging" handler ends
+
+    def __call__(self, handler):
+        params = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(handler.path).query, keep_blank_values=True))
+        self.requests.append(params)
+        assert params["format"] == "json" and params["action"] == "query"
+        send(handler, body=json.dumps(self.answer(params)), content_type="application/json")
+
+    def answer(self, params):
+        if params.get("list") == "search":
+            if params["srsearch"] == "hang":
+                self.release.wait(10)
+            return {"query": {"search": [{"title": t} for t in self.search_results.get(params["srsearch"], [])]}}
+        title = params["titles"]
+        if params["prop"] == "info|pageprops":
+            if title in self.pages:
+                pid = self.pages[title][0]
+                return {"query": {"pages": {pid: {"pageid": int(pid), "title": title,
+                                                  "fullurl": f"https://en.wikipedia.org/wiki/{title}"}}}}
+            if title in self.disambiguation:
+                pid = self.disambiguation[title]
+                return {"query": {"pages": {pid: {"pageid": int(pid), "title": title,
+                                                  "pageprops": {"disambiguation": ""}}}}}
+            return {"query": {"pages": {"-1": {"title": title, "missing": ""}}}}
+        if params["prop"] == "revisions":
+            return {"query": {"pages": {self.disambiguation[title]: {"revisions": [{"*": DISAMBIG_HTML}]}}}}
+        if params["prop"] == "extracts|revisions":
+            pid, text = self.pages[title]
+            return {"query": {"pages": {pid: {"extract": text, "revisions": [{"revid": 1, "parentid": 0}]}}}}
+        raise AssertionError(f"unexpected query {params}")
+
+
+@pytest.fixture
+def mediawiki():
+    fake = FakeMediaWiki()
+    with local_server(fake) as base:
+        old_url = wikipedia.wikipedia.API_URL
+        wikipedia.wikipedia.API_URL = f"{base}/w/api.php"
+        wikipedia.search.clear_cache()  # @cache'd: results from another test must not leak in
+        try:
+            yield fake
+        finally:
+            fake.release.set()
+            wikipedia.wikipedia.API_URL = old_url
+            wikipedia.search.clear_cache()
+
+
+def wiki_engine(titles):
+    """Selects `titles`, and echoes every other prompt (the summaries)."""
+    def reply(prompt):
+        if prompt.startswith("You choose which Wikipedia pages"):
+            return json.dumps({"titles": titles})
+        return prompt
+    return ScriptedEngine(reply)
+
+
+@pytest.mark.filterwarnings("ignore::bs4.GuessedAtParserWarning")  # the package calls BeautifulSoup(html) unparsed
+def test_wikipedia_summary_disambiguation_and_missing_page(mediawiki):
+    engine = wiki_engine(["Mercury (planet)", "Mercury", "Mercury (missing)", "Invented Title"])
+    result = WikipediaTool(engine, timeout_s=5, chunk_size=40, chunk_overlap=5, top_k=1)(
+        {"query": "orbital period of mercury"})
+    assert result["query"] == "orbital period of mercury"
+    planet, disambig, missing = result["pages"]
+    assert planet["title"] == "Mercury (planet)"
+    assert planet["url"] == "https://en.wikipedia.org/wiki/Mercury (planet)"
+    assert "its orbital period is 88 days" in planet["summary"]  # the right passage reached the prompt
+    assert "Filler sentence number 3 " not in planet["summary"]  # ...and not the whole page
+    assert disambig == {"title": "Mercury", "error": "'Mercury' is a disambiguation page; "
+                                                     "it may refer to: Mercury (planet), Mercury (element)"}
+    assert missing == {"title": "Mercury (missing)", "error": "no Wikipedia page titled 'Mercury (missing)'"}
+    assert mediawiki.requests[0]["srlimit"] == "10" and mediawiki.requests[0]["list"] == "search"
+
+
+def test_wikipedia_falls_back_to_first_result_when_selection_fails(mediawiki):
+    engine = ScriptedEngine(lambda p: "not json at all" if p.startswith("You choose") else "SUMMARY")
+    result = WikipediaTool(engine, timeout_s=5)({"query": "orbital period of mercury"})
+    assert result["pages"] == [{"title": "Mercury (planet)", "url": "https://en.wikipedia.org/wiki/Mercury (planet)",
+                                "summary": "SUMMARY"}]
+
+
+def test_wikipedia_no_results(mediawiki):
+    result = WikipediaTool(wiki_engine([]), timeout_s=5)({"query": "nothing"})
+    assert result == {"query": "nothing", "error": "no Wikipedia pages found for 'nothing'"}
+
+
+def test_wikipedia_hanging_api_times_out(mediawiki):
+    start = time.monotonic()
+    result = WikipediaTool(wiki_engine([]), timeout_s=1)({"query": "hang"})
+    assert time.monotonic() - start < 2.5
+    assert result == {"query": "hang", "error": "Wikipedia search failed: TimeoutError: timed out after 1.0 s"}
+
+
+def test_wikipedia_unreachable_api_is_an_error(mediawiki):
+    wikipedia.wikipedia.API_URL = "http://127.0.0.1:9/w/api.php"  # discard port: connection refused
+    result = WikipediaTool(wiki_engine([]), timeout_s=5)({"query": "orbital period of mercury"})
+    assert result["error"].startswith("Wikipedia search failed: ConnectionError")
+
+
+# ----------------------------------------------------------------------------- Web RAG
+
+ARTICLE = f"""<html><head><title>Owls</title>
+<style>.owl {{ color: brown }} /* STYLE_NOISE */</style>
+<script>var SCRIPT_NOISE = "snowy owl nest tundra snowy owl nest tundra";</script></head>
+<body><noscript>NOSCRIPT_NOISE: enable JavaScript to see where the snowy owl nest is</noscript><p>{FILLER}</p>
+<p>The snowy owl nests on the open Arctic tundra, often on a small rise in the ground.</p>
+<p>{FILLER.replace("Filler", "Padding")}</p></body></html>"""
+
+
+HUGE_PIECES_SENT: list[int] = []
+HUGE_DONE = threading.Event()
+
+
+def web_route(handler):
+    path = urllib.parse.urlsplit(handler.path).path
+    if path == "/owls":
+        send(handler, body=ARTICLE)
+    elif path == "/plain":
+        send(handler, body="Plain text says the answer is 42.", content_type="text/plain")
+    elif path == "/pdf":
+        send(handler, body=b"%PDF-1.4", content_type="application/pdf")
+    elif path == "/huge":  # 10 MB of text in 64 KB pieces, 10 ms apart (~1.6 s if read to the end)
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/plain")
+        handler.send_header("Content-Length", str(160 * 65536))
+        handler.end_headers()
+        piece = (b"word " * 13108)[:65536]
+        try:
+            for _ in range(160):
+                handler.wfile.write(piece)
+                HUGE_PIECES_SENT.append(1)
+                time.sleep(0.01)
+        finally:
+            HUGE_DONE.set()
+    elif path == "/trickle":  # 1 byte every 0.2 s: no single read ever waits > 1 s
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/plain")
+        handler.send_header("Content-Length", "100000")
+        handler.end_headers()
+        for _ in range(25):
+            handler.wfile.write(b"x")
+            handler.wfile.flush()
+            time.sleep(0.2)
+    elif path == "/slow":
+        time.sleep(3)
+        send(handler, body="too late")
+    elif path == "/v1/embeddings":  # stand-in for an OpenAI-compatible embeddings server
+        request = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+        # 2-d "embedding": does the text mention owls? does it mention filler?
+        vectors = [[float("owl" in t.lower()), float("filler" in t.lower() or "padding" in t.lower())]
+                   for t in request["input"]]
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        send(handler, body=json.dumps({"object": "list", "data": data, "model": request["model"],
+                                       "usage": {"prompt_tokens": 1, "total_tokens": 1}}),
+             content_type="application/json")
+    else:
+        send(handler, status=404, body="not found")
+
+
+@pytest.fixture
+def web():
+    with local_server(web_route) as base:
+        yield base
+
+
+def test_page_text_drops_script_style_and_noscript():
+    text = page_text(ARTICLE.encode(), "text/html; charset=utf-8")
+    assert "The snowy owl nests on the open Arctic tundra" in text and "\n" not in text
+    for noise in ("SCRIPT_NOISE", "STYLE_NOISE", "NOSCRIPT_NOISE", "<p>"):
+        assert noise not in text
+    assert page_text("caf\u00e9".encode("latin-1"), "text/plain; charset=ISO-8859-1") == "caf\u00e9"
+    assert page_text("caf\u00e9".encode("utf-8"), "text/plain") == "caf\u00e9"  # no charset: UTF-8
+
+
+def test_web_rag_sends_relevant_passage_without_script_noise(web):
+    tool = WebRAGTool(echo_engine(), timeout_s=5, chunk_size=30, chunk_overlap=5, top_k=1)
+    answer = tool({"query": "Where does the snowy owl nest?", "url": f"{web}/owls"})
+    assert "The snowy owl nests on the open Arctic tundra" in answer
+    assert "SCRIPT_NOISE" not in answer and "NOSCRIPT_NOISE" not in answer
+    assert "Filler sentence number 3 " not in answer
+
+
+def test_web_rag_plain_text_and_http_errors(web):
+    tool = WebRAGTool(echo_engine(), timeout_s=5)
+    assert "Plain text says the answer is 42." in tool({"query": "answer?", "url": f"{web}/plain"})
+    assert "unsupported content type 'application/pdf'" in tool({"query": "q", "url": f"{web}/pdf"})["error"]
+    assert "404" in tool({"query": "q", "url": f"{web}/missing"})["error"]
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://example.com/x", "javascript:alert(1)", "http://"])
+def test_web_rag_rejects_non_http_urls(url):
+    engine = echo_engine()
+    result = WebRAGTool(engine)({"query": "q", "url": url})
+    assert "error" in result and ("only http and https" in result["error"] or "no host" in result["error"])
+    assert engine.calls == []
+
+
+def test_web_rag_huge_body_is_cut_at_max_bytes(web):
+    HUGE_PIECES_SENT.clear(), HUGE_DONE.clear()
+    start = time.monotonic()
+    body, content_type = fetch_limited(f"{web}/huge", timeout_s=5, max_bytes=200_000)
+    assert time.monotonic() - start < 0.8  # reading all 10 MB would take >= 1.6 s
+    assert len(body) == 200_000 and content_type == "text/plain"
+    assert HUGE_DONE.wait(3)  # the server's next writes fail once we hung up...
+    assert len(HUGE_PIECES_SENT) < 40  # ...long before all 160 pieces were sent
+    answer = WebRAGTool(echo_engine(), timeout_s=5, max_bytes=200_000)({"query": "word", "url": f"{web}/huge"})
+    assert isinstance(answer, str) and "word word" in answer
+
+
+def test_web_rag_slow_server_times_out(web):
+    start = time.monotonic()
+    result = WebRAGTool(echo_engine(), timeout_s=1)({"query": "q", "url": f"{web}/slow"})
+    assert time.monotonic() - start < 2.5
+    assert result["error"].startswith(f"could not fetch {web}/slow:")
+    assert "timed out" in result["error"].lower()
+
+
+def test_web_rag_trickling_server_hits_the_wall_clock_limit(web):
+    # requests' timeout bounds each socket read, not the download: only the
+    # wall-clock limit (call_with_timeout) stops a server that drips bytes.
+    start = time.monotonic()
+    result = WebRAGTool(echo_engine(), timeout_s=1)({"query": "q", "url": f"{web}/trickle"})
+    assert time.monotonic() - start < 2.5
+    assert result == {"error": f"could not fetch {web}/trickle: TimeoutError: timed out after 1.0 s"}
+
+
+def test_embedding_ranker_through_openai_client(web):
+    import openai
+    client = openai.OpenAI(base_url=f"{web}/v1", api_key="test", max_retries=0, timeout=5)
+    chunks = ["Filler about rivers", "The snowy owl lives in the Arctic", "Padding about hills"]
+    assert embedding_top_k("owl habitat", chunks, k=2, client=client, model="stand-in") == [1, 0]
+    # BM25 prefers the "habitat" chunk (index 2); the stand-in embeddings prefer the owl (index 1)
+    chunks = ["rivers", "an owl", "habitat habitat habitat here"]
+    assert bm25_top_k("owl habitat", chunks, k=1) == [2]
+    tool = WebRAGTool(echo_engine(), top_k=1, embed_client=client, embed_model="stand-in")
+    assert tool.rank("owl habitat", chunks) == [1]
+    broken = WebRAGTool(echo_engine(), top_k=1, embed_model="stand-in",
+                        embed_client=openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0))
+    assert broken.rank("owl habitat", chunks) == [2]  # endpoint down: falls back to BM25
+
+
+# ====================================================================================================
+# flow_grpo.py: config, parser, engines, solver, sampling, reward, loss, training
+# ====================================================================================================
+
+# ------------------------------------------------------------------------------------- shared fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs)."""
+    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8)
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    with torch.no_grad():  # peft initialises B = 0; make the adapter non-trivial so on/off differ
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return model.eval(), tok
+
+
+def rendered(tok, texts):
+    return [fg.render_chat(tok, t) for t in texts]
+
+
+def make_rows(samples, adv, group):
+    return [fg.Row(s.prompt_ids, s.action_ids, s.logprobs, float(a), i, i // group)
+            for i, (s, a) in enumerate(zip(samples, adv))]
+
+
+# ------------------------------------------------------------------------------------- config and CLI
+
+
+def test_help_explains_every_option():
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0
+    for f in dataclasses.fields(fg.Config):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in out.stdout, flag
+        assert fg._HELP.get(f.name), f"{f.name} has no help comment"
+
+
+def test_flags_beat_presets_and_bad_choices_are_one_line():
+    cfg = fg.parse_config(["--preset", "smoke", "--device", "auto", "--lr", "0.5"])
+    assert cfg.model == "tiny" and cfg.device == "auto" and cfg.lr == 0.5  # typed flags win, even = default
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--agg", "sum"])
+
+
+def test_no_cuda_means_one_clear_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--output-dir", str(tmp_path)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and "--preset smoke" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_no_exec_or_eval_of_model_output():
+    """Model-written text must never run inside the trainer: no exec()/eval() call anywhere in the file."""
+    tree = ast.parse((ROOT / "flow_grpo.py").read_text())
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert not called & {"exec", "eval", "compile"}
+
+
+# ------------------------------------------------------------------------------------- parse_structured
+
+
+def test_parse_structured_cases():
+    V = fg.Verification
+    ok = [
+        '{"analysis": "a", "stop_signal": true}',
+        'Here you go:\n```json\n{"analysis": "a", "stop_signal": true}\n```\nDone.',
+        "{'analysis': 'a', 'stop_signal': true}",  # single quotes
+        '{"analysis": "a", "stop_signal": true,}',  # trailing comma
+        'I think {"analysis": "a", "stop_signal": true} is right',  # prose around
+        '[{"analysis": "a", "stop_signal": true}]',  # a list around the object
+    ]
+    for text in ok:
+        v = fg.parse_structured(text, V)
+        assert v is not None and v.analysis == "a" and v.stop_signal is True, text
+    bad = ["", "   ", "no json here", '{"analysis": "a"}', '{"analysis": "a", "stop_signal": "perhaps"}',
+           "[1, 2, 3]", None, 42, '{"stop_signal": [1, 2]}']
+    for text in bad:
+        assert fg.parse_structured(text, V) is None, text
+
+
+def test_parse_structured_fuzz_never_raises():
+    rng = random.Random(0)
+    valid = json.dumps({"justification": "j", "context": "c", "sub_goal": "s", "tool_name": "Python_Coder_Tool"})
+    alphabet = '{}[]":,\'` \n\\abcxyz0123456789-truefalsenull'
+    n_parsed = 0
+    for i in range(400):
+        kind = i % 4
+        if kind == 0:  # truncations of a valid object
+            text = valid[:rng.randrange(len(valid) + 1)]
+        elif kind == 1:  # random junk
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(60)))
+        elif kind == 2:  # a valid object with random characters flipped
+            chars = list(valid)
+            for _ in range(rng.randrange(1, 4)):
+                chars[rng.randrange(len(chars))] = rng.choice(alphabet)
+            text = "".join(chars)
+        else:  # the valid object inside prose and fences
+            text = rng.choice(["", "Sure:\n", "```json\n"]) + valid + rng.choice(["", "\n```", " hope it helps"])
+        out = fg.parse_structured(text, fg.NextStep)
+        assert out is None or isinstance(out, fg.NextStep)
+        n_parsed += kind == 3 and out is not None and out.tool_name == "Python_Coder_Tool"
+    assert n_parsed == 100  # every wrapped-but-valid object parsed
+
+
+def test_json_safe_and_memory_truncate():
+    mem = fg.Memory(max_chars=50)
+    mem.add("T", "goal", {"q": "x" * 500}, {"out": "y" * 500, "obj": object(), "nan": float("nan")})
+    text = mem.to_text()
+    json.loads(text)  # valid JSON
+    assert "y" * 48 not in text and "..." in text
+
+
+# ------------------------------------------------------------------------------------- engines
+
+
+class StubHandler(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible /v1/chat/completions stand-in whose behaviour the test scripts per request."""
+    script: list = []  # items: ("ok", text) | ("status", code) | ("hang", seconds) | ("reject_schema", None)
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StubHandler.seen.append(body)
+        kind, arg = StubHandler.script.pop(0) if StubHandler.script else ("ok", "fine")
+        if kind == "hang":
+            time.sleep(arg)
+            kind, arg = "ok", "late"
+        if kind == "reject_schema" and "response_format" in body:
+            return self._send(400, {"error": {"message": "response_format not supported"}})
+        if kind == "reject_schema":
+            kind, arg = "ok", '{"analysis": "plain", "stop_signal": false}'
+        if kind == "status":
+            return self._send(arg, {"error": {"message": "boom"}})
+        if kind == "echo":
+            arg = body["messages"][-1]["content"][-20:]
+        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": arg}}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture()
+def openai_stub():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    StubHandler.script, StubHandler.seen = [], []
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
+def test_openai_engine_retries_a_500_then_succeeds(openai_stub, monkeypatch):
+    monkeypatch.setenv("FLOW_TEST_KEY", "sk-secret-123")
+    StubHandler.script = [("status", 500), ("ok", "hello")]
+    eng = fg.OpenAIEngine(openai_stub, "m", api_key_env="FLOW_TEST_KEY", backoff_s=0.01)
+    assert eng.ask("hi") == "hello" and len(StubHandler.seen) == 2 and eng.failures == 0
+    assert "sk-secret" not in repr(eng)
+
+
+def test_openai_engine_hang_times_out(openai_stub):
+    StubHandler.script = [("hang", 5)] * 3
+    eng = fg.OpenAIEngine(openai_stub, "m", timeout_s=0.5, max_retries=1, backoff_s=0.01)
+    t0 = time.perf_counter()
+    assert eng.ask("hi") == "" and eng.failures == 1
+    assert time.perf_counter() - t0 < 3.0
+
+
+def test_openai_engine_structured_output_and_fallback(openai_stub):
+    StubHandler.script = [("ok", '{"analysis": "ok", "stop_signal": true}')]
+    eng = fg.OpenAIEngine(openai_stub, "m")
+    v = eng.ask("verify", schema=fg.Verification)
+    assert v == fg.Verification(analysis="ok", stop_signal=True)
+    assert StubHandler.seen[0]["response_format"]["json_schema"]["schema"]["required"] == ["analysis", "stop_signal"]
+    # a server without structured output: rejected once, then plain prompts (the schema is in the text)
+    StubHandler.script, StubHandler.seen = [("reject_schema", None), ("reject_schema", None)], []
+    eng = fg.OpenAIEngine(openai_stub, "m")
+    assert eng.ask("verify", schema=fg.Verification).analysis == "plain"
+    assert "response_format" not in StubHandler.seen[-1] and not eng.json_schema_supported
+    assert '"stop_signal"' in StubHandler.seen[-1]["messages"][0]["content"]
+
+
+def test_openai_engine_batches_concurrently(openai_stub):
+    StubHandler.script = [("hang", 0.3)] * 8
+    eng = fg.OpenAIEngine(openai_stub, "m", workers=8)
+    t0 = time.perf_counter()
+    assert eng.generate([f"p{i}" for i in range(8)]) == ["late"] * 8
+    assert time.perf_counter() - t0 < 1.5  # one after another would take 2.4 s
+
+
+def test_local_engine_is_the_frozen_base(tiny):
+    """With use_adapter=False the engine must generate exactly what the bare base model generates."""
+    model, tok = tiny
+    prompts = ["What is 2+2?", "Name a planet."]
+    fixed = fg.LocalEngine(model, tok, use_adapter=False, max_tokens=12).generate(prompts)
+    policy = fg.LocalEngine(model, tok, use_adapter=True, max_tokens=12).generate(prompts)
+    with model.disable_adapter():
+        base = [s.text for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=12, temperature=0)]
+    assert fixed == base and len(policy) == 2
+    # and the switch is real: the adapter changes the model's log-probs, the engine's context undoes it
+    s = fg.sample_actions(model, tok, rendered(tok, prompts[:1]), max_new_tokens=6, temperature=1.0)[0]
+    on = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
+    with fg.adapter_disabled(model):
+        off = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
+    with model.disable_adapter():
+        base_lp = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
+    assert not torch.allclose(on, off, atol=1e-4) and torch.equal(off, base_lp)
+
+
+# ------------------------------------------------------------------------------------- the solver
+
+
+class RoleEngine(fg.Engine):
+    """Answers as each frozen role would, recognising the role from its prompt."""
+
+    def __init__(self, executor_args=None, stop_after=1, answer="<answer>144</answer>"):
+        self.executor_args, self.stop_after, self.answer = executor_args, stop_after, answer
+        self.verified = Counter()
+
+    def _complete(self, prompts, max_tokens, schema):
+        out = []
+        for p in prompts:
+            if "analyst" in p:
+                out.append('{"concise_summary": "square", "required_skills": "math", "relevant_tools": "coder"}')
+            elif "executor" in p:
+                args = self.executor_args if self.executor_args is not None else {"query": "print(12**2)"}
+                out.append(json.dumps({"tool_name": "Echo_Tool", "arguments": args}))
+            elif "verifier" in p:
+                q = p.split("Question: ")[1].split("\n")[0]
+                self.verified[q] += 1
+                out.append(json.dumps({"analysis": "x", "stop_signal": self.verified[q] >= self.stop_after}))
+            else:
+                out.append(self.answer)
+        return out
+
+
+class EchoInput(BaseModel):
+    query: str
+
+
+class EchoTool:
+    """The minimal tool contract the solver relies on: name, describe(), __call__(raw_args)."""
+    name = "Echo_Tool"
+
+    def __init__(self, fail=False):
+        self.fail, self.calls = fail, []
+
+    def describe(self):
+        return "Echo_Tool: returns its query. Input: {query: str}"
+
+    def __call__(self, raw_args):
+        args = EchoInput.model_validate(raw_args)  # raises on bad arguments, like the real tools
+        if self.fail:
+            raise RuntimeError("tool exploded")
+        self.calls.append(args.query)
+        return {"echo": args.query}
+
+
+def plan_json(tool="Echo_Tool"):
+    return json.dumps({"justification": "j", "context": "c", "sub_goal": "compute", "tool_name": tool})
+
+
+def test_solver_correct_path():
+    tool = EchoTool()
+    st = fg.solve_batch(["What is 12 squared?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(),
+                        tools={"Echo_Tool": tool}, max_turns=3)[0]
+    assert len(st.turns) == 1 and st.turns[0].verdict.stop_signal  # the verifier stopped after one step
+    assert tool.calls == ["print(12**2)"] and st.turns[0].result == {"echo": "print(12**2)"}
+    assert st.final_output == "<answer>144</answer>" and fg.rule_reward(st.final_output, "144") == 1.0
+    assert st.memory.steps[0]["tool_name"] == "Echo_Tool" and "concise_summary" in st.analysis
+
+
+@pytest.mark.parametrize("case", ["unknown_tool", "bad_arguments", "tool_error", "malformed_plan"])
+def test_solver_turns_failures_into_memory(case):
+    planner = {"unknown_tool": lambda ps: [plan_json("Nope_Tool")] * len(ps),
+               "malformed_plan": lambda ps: ["{'justification': oops"] * len(ps)}.get(case, lambda ps: [plan_json()] * len(ps))
+    fixed = RoleEngine(executor_args={"wrong": 1} if case == "bad_arguments" else None, stop_after=2)
+    tools = {"Echo_Tool": EchoTool(fail=case == "tool_error")}
+    st = fg.solve_batch(["q?"], planner=planner, fixed=fixed, tools=tools, max_turns=3)[0]
+    err = st.memory.steps[0]["result"]["error"]
+    expect = {"unknown_tool": "unknown tool 'Nope_Tool'", "bad_arguments": "ValidationError",
+              "tool_error": "tool exploded", "malformed_plan": "not valid JSON"}[case]
+    assert expect in err
+    assert len(st.turns) == 2 and st.final_output  # the loop went on and still answered
+    assert (st.stats["parse_fail:plan"] == 2) == (case == "malformed_plan")
+
+
+def test_solver_stops_at_max_turns_and_batches_in_lockstep():
+    batches = []
+
+    def planner(prompts):
+        batches.append(len(prompts))
+        return [plan_json()] * len(prompts)
+
+    states = fg.solve_batch(["a?", "b?", "c?"], planner=planner, fixed=RoleEngine(stop_after=99),
+                            tools={"Echo_Tool": EchoTool()}, max_turns=4)
+    assert batches == [3, 3, 3, 3]  # one planner call per turn for all live trajectories
+    assert all(len(st.turns) == 4 and "Step 4" in st.memory.to_text() for st in states)
+    assert "step 4 of at most 4" in fg.planner_prompt("a?", "", {}, fg.Memory(), 4, 4)
+
+
+# ------------------------------------------------------------------------------------- sampling and log-probs
+
+
+def test_captured_and_recomputed_logprobs_agree(tiny):
+    """Behaviour log-probs (sampling loop, KV cache, left padding) == the update's batched recomputation."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    prompts = rendered(tok, ["hi", "a much longer prompt so that rows are padded differently", "mid size one"])
+    samples = fg.sample_actions(model, tok, prompts, max_new_tokens=20, temperature=0.7)
+    again = fg.action_logprobs(model, [s.prompt_ids for s in samples], [s.action_ids for s in samples], temperature=0.7)
+    for s, lp in zip(samples, again):
+        assert len(s.logprobs) == len(s.action_ids) == len(lp) > 0
+        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
+    # the same, one row at a time: padding must not change anything
+    alone = fg.action_logprobs(model, [samples[0].prompt_ids], [samples[0].action_ids], temperature=0.7)[0]
+    assert torch.allclose(alone, again[0], atol=1e-4)
+    # and a wrong temperature must NOT agree (the test can fail)
+    wrong = fg.action_logprobs(model, [samples[1].prompt_ids], [samples[1].action_ids], temperature=1.0)[0]
+    assert not torch.allclose(wrong, samples[1].logprobs, atol=1e-3)
+
+
+def test_actions_end_at_eos_and_prompts_are_unpadded(tiny):
+    model, tok = tiny
+    eos = tok.eos_token_id
+    model.generation_config.eos_token_id = [eos, 65]  # make a common byte a stop token so rows end early
+    try:
+        torch.manual_seed(3)
+        samples = fg.sample_actions(model, tok, rendered(tok, ["x", "yy"] * 4), max_new_tokens=40, temperature=1.0)
+    finally:
+        model.generation_config.eos_token_id = eos
+    stops = {eos, 65}
+    for s in samples:
+        ids = s.action_ids.tolist()
+        ended = [i for i, t in enumerate(ids) if t in stops]
+        assert not ended or ended[0] == len(ids) - 1  # cut right after the FIRST stop token, which is kept
+        assert s.prompt_ids[0].item() == tok.convert_tokens_to_ids("<|im_start|>")  # no left padding kept
+    assert any(len(s.action_ids) < 40 for s in samples)
+
+
+# ------------------------------------------------------------------------------------- reward
+
+
+@pytest.mark.parametrize("answer,truth,expected", [
+    ("<answer>144</answer>", "144", 1.0),
+    ("<answer>1444</answer>", "144", 0.0),  # no substring match
+    ("<answer>144</answer> wait <answer>145</answer>", "145", 1.0),  # the LAST tag counts
+    ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("<answer>\\dfrac{3}{4}</answer>", "3/4", 1.0),
+    ("<answer>1,234</answer>", "1234", 1.0),
+    ("<answer>1,2</answer>", "12", 0.0),  # not a thousands separator
+    ("<answer>$12$</answer>", "12.0", 1.0),
+    ("<answer>x = -7</answer>", "-7", 1.0),
+    ("<answer>50%</answer>", "50", 1.0),
+    ("<answer>The Eiffel Tower.</answer>", "eiffel tower", 1.0),
+    ("<answer>United States</answer>", "USA; United States; US", 1.0),
+    ("<answer>Paris, Texas</answer>", "Paris", 0.0),
+    ("<answer>Paris", "Paris", 1.0),  # truncated output: unclosed last tag
+    ("<answer></answer>", "0", 0.0),
+    ("", "", 0.0),
+    ("<answer>nan</answer>", "nan", 1.0),  # text match still works for odd strings
+])
+def test_rule_reward_table(answer, truth, expected):
+    assert fg.rule_reward(answer, truth) == expected
+
+
+def test_llm_judge_falls_back_to_rule_and_counts():
+    class Judge(fg.Engine):
+        def _complete(self, prompts, max_tokens, schema):
+            return ['{"analysis": "same", "correct": true}', "garbage", '{"analysis": "no", "correct": false}']
+
+    rewards, fallbacks = fg.judge_rewards(["q"] * 3, ["<answer>x</answer>", "<answer>7</answer>", "<answer>7</answer>"],
+                                          ["y", "7", "7"], Judge())
+    assert rewards == [1.0, 1.0, 0.0] and fallbacks == 1
+
+
+# ------------------------------------------------------------------------------------- advantages and loss
+
+
+def test_group_advantages():
+    adv = fg.group_advantages([1, 0, 0, 0, 1, 1, 0.5, 0.5], [0, 0, 0, 0, 1, 1, 2, 2])
+    assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]), atol=1e-4)
+    none = fg.group_advantages([1, 0, 1, 1], [0, 0, 1, 1], scale="none")
+    assert torch.allclose(none, torch.tensor([0.5, -0.5, 0, 0]))
+    batch = fg.group_advantages([1, 0, 3, 1], [0, 0, 1, 1], scale="batch")
+    centred = torch.tensor([0.5, -0.5, 1.0, -1.0])
+    assert torch.allclose(batch, centred / centred.std(), atol=1e-4)
+    assert fg.zero_std_frac([1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(2 / 3)
+
+
+def test_grpo_loss_matches_hand_computation_for_each_aggregation():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 4, generator=g)
+    old = logp + 0.3 * torch.randn(3, 4, generator=g)
+    ref = logp + 0.2 * torch.randn(3, 4, generator=g)
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    traj = [0, 0, 1]  # rows 0 and 1 are two turns of trajectory 0
+    lo, hi, beta = 0.2, 0.3, 0.1
+    per = [[None] * 4 for _ in range(3)]
+    for b in range(3):
+        for t in range(4):
+            r = math.exp(logp[b, t] - old[b, t])
+            pg = -min(r * adv[b], min(max(r, 1 - lo), 1 + hi) * adv[b])
+            d = float(ref[b, t] - logp[b, t])
+            per[b][t] = float(pg) + beta * (math.exp(d) - d - 1)
+    lens = [2, 4, 1]
+    rowmean = [sum(per[b][:lens[b]]) / lens[b] for b in range(3)]
+    expected = {
+        "turn": ((rowmean[0] + rowmean[1]) / 2 + rowmean[2]) / 2,  # 1/N_traj sum_i 1/T_i sum_t rowmean
+        "token-mean": sum(sum(per[b][:lens[b]]) for b in range(3)) / 7,
+        "seq-mean-token-mean": sum(rowmean) / 3,
+    }
+    for agg, want in expected.items():
+        loss, stats = fg.grpo_loss(logp, old, ref, adv, mask, clip_low=lo, clip_high=hi, kl_coef=beta, agg=agg,
+                                   traj_ids=traj)
+        assert loss.item() == pytest.approx(want, rel=1e-5), agg
+    assert 0 < stats["clip_frac"] < 1 and stats["kl"] > 0
+
+
+@pytest.mark.parametrize("log_ratio,adv,flows", [
+    (0.5, +1.0, False),   # rho = 1.65 > 1 + 0.3, A > 0: already pushed up enough -> clipped, no gradient
+    (0.5, -1.0, True),    # rho high, A < 0: the unclipped term is the min -> gradient flows (undo it)
+    (-0.5, +1.0, True),   # rho = 0.61 < 1 - 0.2, A > 0: gradient flows (raise it again)
+    (-0.5, -1.0, False),  # rho low, A < 0: already pushed down enough -> clipped, no gradient
+])
+def test_clipping_cases(log_ratio, adv, flows):
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - log_ratio]])
+    loss, stats = fg.grpo_loss(logp, old, logp.detach(), torch.tensor([adv]), torch.ones(1, 1, dtype=torch.bool),
+                               clip_low=0.2, clip_high=0.3, kl_coef=0.0, agg="token-mean")
+    loss.backward()
+    assert (logp.grad.abs().item() > 0) == flows
+    assert stats["clip_frac"] == (0.0 if flows else 1.0)
+    if flows:  # and the gradient descends in the direction that helps: d loss/d logp = -A * rho
+        assert logp.grad.item() == pytest.approx(-adv * math.exp(log_ratio), rel=1e-5)
+
+
+def test_masked_positions_do_not_change_loss_or_gradient():
+    g = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(2, 5, generator=g)).requires_grad_()
+    old, ref = logp.detach() + 0.1, logp.detach() - 0.1
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    args = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, agg="turn", traj_ids=[0, 1])
+    loss1, _ = fg.grpo_loss(logp, old, ref, torch.tensor([1.0, -1.0]), mask, **args)
+    (grad1,) = torch.autograd.grad(loss1, logp)
+    junk_old, junk_ref = old.clone(), ref.clone()
+    junk_old[0, 3:], junk_ref[0, 3:] = float("-inf"), 1e4  # garbage where the mask is 0
+    loss2, _ = fg.grpo_loss(logp, junk_old, junk_ref, torch.tensor([1.0, -1.0]), mask, **args)
+    (grad2,) = torch.autograd.grad(loss2, logp)
+    assert torch.isfinite(loss2) and loss2.item() == pytest.approx(loss1.item(), rel=1e-6)
+    assert torch.equal(grad1, grad2) and torch.all(grad1[0, 3:] == 0)
+
+
+def test_ratio_is_one_before_the_first_update(tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q1", "q2 longer"] * 2), max_new_tokens=12, temperature=0.7)
+    rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5], group=2)
+    for mode in ("captured", "recompute"):
+        cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=3, old_logprobs=mode)
+        if mode == "recompute":
+            fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="old_logp")
+        else:
+            for r in rows:
+                r.old_logp = r.behaviour_logp
+        fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="ref_logp", base=True)
+        model.zero_grad()
+        _, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
+        assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and stats["clip_frac"] == 0.0, mode
+        assert stats["kl"] > 0  # the adapter is non-trivial: policy != base
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("agg", fg.AGGREGATIONS)
+def test_gradient_accumulation_equals_one_big_batch(tiny, agg):
+    model, tok = tiny
+    torch.manual_seed(1)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["a", "bb", "ccc", "dddd", "e", "ff"]), max_new_tokens=10,
+                                temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0, 0.3, -0.3, 2.0, -2.0], group=2)
+    for r, t in zip(rows, [0, 0, 1, 1, 1, 2]):  # uneven turns per trajectory, so 'turn' weighting matters
+        r.traj_id = t
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="old_logp")
+    for r in rows:  # make ratios != 1 so the clip is exercised too
+        r.old_logp = r.old_logp + 0.3 * torch.randn(len(r.old_logp))
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="ref_logp", base=True)
+    grads = {}
+    for micro in (6, 4, 1):
+        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=micro, agg=agg, kl_coef=0.1)
+        model.zero_grad()
+        loss, _ = fg.minibatch_loss_and_backward(model, rows, cfg)
+        grads[micro] = (loss, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+    model.zero_grad()
+    full_loss, full = grads[6]
+    assert full.abs().sum() > 0
+    for micro in (4, 1):
+        assert grads[micro][0] == pytest.approx(full_loss, rel=1e-4, abs=1e-6)  # float32 sums, other padding
+        assert torch.allclose(grads[micro][1], full, rtol=1e-4, atol=1e-7), micro
+
+
+def test_one_update_changes_lora_and_not_base():
+    cfg = fg.Config(model="tiny", device="cpu", lr=1e-2, warmup_steps=0, micro_batch_size=4, temperature=1.0)
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    opt, _ = fg.make_optimizer(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 4), max_new_tokens=8, temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0, 1.0, -1.0], group=4)
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="old_logp")
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="ref_logp", base=True)
+    stats = fg.update_policy(model, opt, rows, cfg, step=1)
+    assert stats["skipped_updates"] == 0
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert any("lora_B" in n for n in changed)
+
+
+def test_non_finite_loss_skips_the_update(tiny):
+    model, tok = tiny
+    cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q", "r"]), max_new_tokens=4, temperature=1.0)
+    rows = make_rows(samples, [float("nan"), 1.0], group=2)
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="old_logp")
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="ref_logp", base=True)
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    stats = fg.update_policy(model, opt, rows, cfg, step=1)
+    assert stats["skipped_updates"] == 1
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
+
+
+def test_learning_toy_task_reward_rises():
+    """The real sampling, advantage, loss and update code makes a random tiny model learn within seconds."""
+    curve = fg.toy_learning_curve(seed=0, steps=16)
+    first, last = sum(curve[:4]) / 4, sum(curve[-4:]) / 4
+    assert first < 0.15 and last > first + 0.4, curve
+
+
+# ------------------------------------------------------------------------------------- training loop
+
+
+def smoke_cfg(out_dir, data_dir, **over):
+    base = dict(fg.PRESETS["smoke"], output_dir=str(out_dir), train_file=str(data_dir / "train.parquet"),
+                val_file=str(data_dir / "val.parquet"), max_turns=2, batch_size=2, group_size=2, max_new_tokens=12,
+                fixed_max_tokens=8, save_every=1)
+    base.update(over)
+    return fg.Config(**base)
+
+
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    train, val = prepare_data.build_sample(seed=0)
+    prepare_data.write_dataset(train, d / "train.parquet")
+    prepare_data.write_dataset(val, d / "val.parquet")
+    return d
+
+
+def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, sample_data):
+    straight = smoke_cfg(tmp_path / "a", sample_data, max_steps=2)
+    fg.train(straight)
+    a = [json.loads(ln) for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in a] == [1, 2]
+    for key in ("reward_mean", "loss", "kl", "clip_frac", "ratio_mean", "zero_std_frac", "turns_per_traj",
+                "plan_parse_fail", "tool_calls", "rollout_s", "update_s", "planner_tokens_per_s"):
+        assert key in a[0], key
+    assert a[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    assert (ckpt / "adapter_config.json").exists() and (ckpt / "adapter_model.safetensors").exists()
+    assert (ckpt / "trainer_state.pt").exists() and (ckpt / "config.json").exists()
+    assert (tmp_path / "a" / "rollouts.jsonl").read_text().count('"trajectory"') == 2 * straight.log_rollouts
+
+    fg.train(smoke_cfg(tmp_path / "b", sample_data, max_steps=1))
+    fg.train(smoke_cfg(tmp_path / "b", sample_data, max_steps=2, resume=True))
+    b = [json.loads(ln) for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in b] == [1, 2]
+    for key in ("reward_mean", "loss", "kl", "ratio_mean", "rows", "lr"):
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-5, abs=1e-7), key
+    from safetensors.torch import load_file
+    wa, wb = load_file(str(ckpt / "adapter_model.safetensors")), load_file(str(tmp_path / "b" / "checkpoint-2" / "adapter_model.safetensors"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_data_stream_is_deterministic_and_covers_each_epoch():
+    a, b = fg.DataStream(7, seed=3), fg.DataStream(7, seed=3)
+    first = a.next_batch(5) + a.next_batch(5)
+    assert first == b.next_batch(5) + b.next_batch(5)
+    assert sorted(first[:7]) == list(range(7))  # one full epoch before any repeat
+    assert (a.epoch, a.pos) == (1, 3)
+
+
+def test_cli_smoke_ask_prints_the_trajectory():
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--preset", "smoke", "--ask", "What is 12 squared?"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for part in ("QUESTION: What is 12 squared?", "ANALYSIS:", "--- turn 1 ---", "PLAN:", "TOOL CALL:", "RESULT:",
+                 "VERIFIER:", "FINAL: <answer>", "ANSWER:"):
+        assert part in out.stdout, part
+    assert time.perf_counter() - t0 < 60
