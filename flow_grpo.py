@@ -166,7 +166,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(
         model="tiny", device="cpu", train_file="data/sample/train/combined_train.parquet",
         val_file="data/sample/val/aime24.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
-        batch_size=2, group_size=4, max_turns=2, max_new_tokens=24, fixed_max_tokens=16, micro_batch_size=8,
+        batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
         lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
     ),
 }
@@ -376,24 +376,28 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m[
 
 
 def build_tiny_model(seed: int = 0):
-    """A random tiny Qwen2ForCausalLM (~0.1M parameters) and a byte-level tokenizer built in memory.
+    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer built in memory.
 
-    No download: this is what the smoke preset and the tests run on. The tokenizer has one token per byte
-    (256) plus Qwen's three special tokens, so it can encode and decode any text. Its outputs are noise -
-    the point is that every code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is real.
+    No download: this is what the smoke preset and the tests run on. The tokenizer starts from the 256
+    bytes (so it encodes and decodes any text) and learns 2,048 - 256 merges from this very file, which holds
+    every prompt and tool description the agent uses: prompts then compress about 3x, as they would with a
+    real tokenizer, instead of costing one token per character. Outputs are noise - the point is that every
+    code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
+    core.train_from_iterator([Path(__file__).read_text()], trainer=trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))  # deterministic: the same file gives the same merges
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=specials[1:])
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
@@ -2410,11 +2414,15 @@ def _slow_openai_server(delay_s: float):
     return f"http://127.0.0.1:{server.server_address[1]}/v1", server
 
 
+def _proc_status_mb(key: str) -> float:
+    """A memory figure of this process from /proc/self/status (Linux), in MB: VmRSS now, VmHWM peak."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+
+
 def _update_memory_probe(mode: str, prompt_len: int, action_len: int, vocab: int, queue) -> None:
     """(Child process.) Peak RSS growth of one forward+backward that yields the action's log-probs:
     'naive' = full-sequence logits and log-softmax, 'ours' = action_logprobs (LM head on action columns)."""
-    import resource
-
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -2423,7 +2431,9 @@ def _update_memory_probe(mode: str, prompt_len: int, action_len: int, vocab: int
                                          tie_word_embeddings=True))
     prompt = torch.randint(0, vocab, (prompt_len,))
     action = torch.randint(0, vocab, (action_len,))
-    base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    # Reset the kernel's peak-RSS mark (VmHWM) so that building the model does not count, then measure.
+    Path("/proc/self/clear_refs").write_text("5")
+    base_mb = _proc_status_mb("VmRSS")
     if mode == "naive":
         ids = torch.cat([prompt, action])[None]
         logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, prompt_len - 1:-1]
@@ -2431,7 +2441,7 @@ def _update_memory_probe(mode: str, prompt_len: int, action_len: int, vocab: int
     else:
         logp = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
     logp.sum().backward()
-    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mb)
+    queue.put(_proc_status_mb("VmHWM") - base_mb)
 
 
 def update_memory_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
