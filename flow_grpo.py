@@ -77,6 +77,7 @@ import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -205,6 +206,10 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
                           ("device", ("auto", "cuda", "cpu"))]:
         if getattr(cfg, name) not in choices:
             parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
+    for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
+                 "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every"):
+        if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
+            parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
     return cfg
 
 
@@ -1637,8 +1642,9 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
         ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
     ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
     pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
-    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1).logits[:, :-1]
-    logp_BAV = torch.log_softmax(logits_BAV.float() / temperature, dim=-1)
+    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1,
+                       use_cache=False).logits[:, :-1]  # no KV cache: nothing is generated after this pass
+    logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
     logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
 
@@ -1681,24 +1687,35 @@ def extract_answer(text: str) -> str:
     """The final answer inside a model's output: the last <answer>...</answer> (an unclosed last tag counts),
     then a \\boxed{} inside it or in the text, else the whole text."""
     tags = re.findall(r"<answer>(.*?)</answer>", text, re.S | re.I)
-    inner = tags[-1] if tags else (text.rsplit("<answer>", 1)[1] if "<answer>" in text else text)
+    opened = re.split(r"<answer>", text, flags=re.I)
+    inner = tags[-1] if tags else (opened[-1] if len(opened) > 1 else text)
     boxed = last_boxed(inner)
     return (boxed if boxed is not None else inner).strip()
 
 
-def to_number(text: str) -> Optional[float]:
-    """Parse '1,234', '-3.5', '2/3', '\\frac{2}{3}', '$12$', '50%'... into a float; None if it is not a number.
-    Thousands separators only in their proper place: '1,2' is not twelve."""
-    t = text.strip().strip("$").strip().rstrip(".")
-    t = re.sub(r"\\[!,;: ]|\\left|\\right|\\text\{[^}]*\}|\\%|%", "", t).replace(" ", "")
-    t = re.sub(r"^\\?[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$", r"\1/\2", t.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
+def strip_latex(text: str) -> str:
+    """Remove LaTeX that does not change a math answer's meaning: $, \\left/\\right, thin spaces, \\text{..}
+    wrappers, \\dfrac -> \\frac, spaces, a final period, and map the Unicode minus to '-'. Signs, brackets
+    and operators stay: '(-1, 2)' and '(1, 2)' must remain different."""
+    t = text.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    t = re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", t)
+    t = re.sub(r"\$|\\left|\\right|\\[!,;: ]|\s", "", t)
+    return t.rstrip(".")
+
+
+def to_number(text: str) -> Optional[Fraction]:
+    """Parse '1,234', '-3.5', '2/3', '-\\frac{2}{3}', '$12$', '50\\%', '12 \\text{cm}' as an exact Fraction;
+    None if it is not one number. Thousands separators only in their proper place: '1,2' is not twelve."""
+    t = re.sub(r"\\(?:text|mathrm)\{[^{}]*\}", "", text)  # units: '12 \text{cm}' -> '12'
+    t = strip_latex(t).replace("\\%", "").rstrip("%")
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", t):
         t = t.replace(",", "")
-    m = re.fullmatch(r"(-?\d+(?:\.\d+)?)/(-?\d+(?:\.\d+)?)", t)
+    frac = re.fullmatch(r"(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", t) or re.fullmatch(r"(-?)(-?[\d.]+)/(-?[\d.]+)", t)
     try:
-        if m:
-            return float(m.group(1)) / float(m.group(2))
-        return float(t) if re.fullmatch(r"-?(\d+\.?\d*|\.\d+)(e-?\d+)?", t) else None
+        if frac:
+            sign = -1 if frac.group(1) else 1
+            return sign * Fraction(frac.group(2)) / Fraction(frac.group(3))
+        return Fraction(t) if re.fullmatch(r"-?(\d+\.?\d*|\.\d+)([eE]-?\d+)?", t) else None
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -1709,23 +1726,27 @@ def normalize_text(text: str) -> str:
     return " ".join(w for w in t.split() if w not in {"a", "an", "the"})
 
 
+# Characters that make an answer "math": text normalisation would erase them and turn -5 into 5.
+MATH_CHARS = re.compile(r"[\\^<>=()\[\]{}+*/!|√∞π-]")
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    """Numbers by exact value; math expressions by their LaTeX-stripped form; plain text SQuAD-normalised."""
+    pred_num, gold_num = to_number(pred), to_number(gold)
+    if pred_num is not None and gold_num is not None:
+        return pred_num == gold_num  # exact: 1048575 is not 1048576, 0.5 is 1/2
+    if MATH_CHARS.search(pred) or MATH_CHARS.search(gold):
+        return strip_latex(pred).lower() == strip_latex(gold).lower() != ""
+    return normalize_text(pred) == normalize_text(gold) != ""
+
+
 def rule_reward(answer: str, ground_truth: str) -> float:
     """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0.
-    Numbers compare by value (1,234 == 1234.0 == \\frac{2468}{2}); text compares whole normalised strings,
-    so there are no substring traps: '1444' does not match '144', 'Paris, Texas' does not match 'Paris'."""
-    pred = extract_answer(answer)
-    pred = re.sub(r"^\s*[a-zA-Z]\s*=\s*", "", pred)  # 'x = 5' -> '5'
-    pred_num = to_number(pred)
-    for gold in (g.strip() for g in str(ground_truth).split("; ")):
-        if not gold:
-            continue
-        gold_num = to_number(gold)
-        if pred_num is not None and gold_num is not None:
-            if math.isclose(pred_num, gold_num, rel_tol=1e-6, abs_tol=1e-9):
-                return 1.0
-        elif normalize_text(pred) and normalize_text(pred) == normalize_text(gold):
-            return 1.0
-    return 0.0
+    Whole answers only, so there are no substring traps: '1444' does not match '144', 'Paris, Texas' does
+    not match 'Paris', '(-1, 2)' does not match '(1, 2)'."""
+    pred = re.sub(r"^\s*[a-zA-Z]\s*=\s*", "", extract_answer(answer))  # 'x = 5' -> '5'
+    golds = [g.strip() for g in str(ground_truth).split("; ") if g.strip()]
+    return float(any(answers_match(pred, gold) for gold in golds))
 
 
 def judge_prompt(question: str, answer: str, ground_truth: str) -> str:
@@ -1831,7 +1852,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
     log_ratio = torch.where(m, logp - old_logp, 0.0)
     ratio = torch.exp(log_ratio)
-    adv = advantages.to(logp.dtype)[:, None]
+    adv = advantages.to(logp.device, logp.dtype)[:, None]
     surr_unclipped = ratio * adv
     surr_clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     pg_loss = -torch.minimum(surr_unclipped, surr_clipped)
@@ -2062,7 +2083,7 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
     stats, losses, skipped, norms = Counter(), [], 0, []
     model.train()
     for epoch in range(cfg.ppo_epochs):
-        random.Random(cfg.seed * 1000 + step * 10 + epoch).shuffle(trajs)  # own RNG: resumable, no global state
+        random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)  # own RNG: resumable, no global state
         n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
         for k in range(n_mb):
             chosen = set(trajs[k::n_mb])
@@ -2094,7 +2115,7 @@ def make_optimizer(model, cfg: Config):
     def lr_lambda(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)  # 1.0 at the last step
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
@@ -2142,7 +2163,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -
     from safetensors.torch import load_file
 
     set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     data.epoch, data.pos = state["data"]["epoch"], state["data"]["pos"]
@@ -2151,9 +2172,16 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:
-    """On resume, drop log lines of steps after the checkpoint (they will be produced again)."""
+    """On resume, drop log lines of steps after the checkpoint (they will be produced again), and a last
+    line torn by a crash mid-write."""
+    def step_of(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return math.inf
+
     if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= max_step]
+        keep = [ln for ln in path.read_text().splitlines() if step_of(ln) <= max_step]
         path.write_text("".join(ln + "\n" for ln in keep))
 
 
@@ -2185,7 +2213,10 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     rollout_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    if cfg.old_logprobs == "recompute":  # one no-grad pass with the same code the update uses: ratio == 1
+    # pi_old. 'recompute': a no-grad pass with the very code the update uses, so the first ratio is 1 up to
+    # float noise (with num_minibatches > 1 the update pads rows in other groups; in bf16 that moves ratios by
+    # ~1e-3, far inside the clip range). 'captured': the sampler's own log-probs, no extra pass.
+    if cfg.old_logprobs == "recompute":
         fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size, attr="old_logp")
     else:
         for r in rows:
@@ -2256,6 +2287,9 @@ def train(cfg: Config) -> Path:
     optimizer, scheduler = make_optimizer(model, cfg)
     data = DataStream(len(data_rows), cfg.seed)
     start = 0
+    if not cfg.resume and latest_checkpoint(out_dir) is not None:  # never mix two runs in one folder
+        raise SystemExit(f"error: {out_dir} already holds checkpoints; add --resume to continue that run, "
+                         f"or choose another --output-dir")
     if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:
         start = load_checkpoint(ckpt, model, optimizer, scheduler, data)
         log(f"resumed from {ckpt} (step {start})")

@@ -1301,6 +1301,26 @@ def test_actions_end_at_the_first_stop_token_and_prompts_are_unpadded(tiny):
     ("<answer></answer>", "0", 0.0),
     ("", "", 0.0),
     ("<answer>nan</answer>", "nan", 1.0),  # text match still works for odd strings
+    # signs, brackets and operators are part of a math answer: text normalisation must not erase them
+    ("<answer>(-5)</answer>", "5", 0.0),
+    ("<answer>\u22125</answer>", "5", 0.0),  # Unicode minus
+    ("<answer>\\frac{1}{2}</answer>", "-\\frac{1}{2}", 0.0),
+    ("<answer>-\\sqrt{2}</answer>", "\\sqrt{2}", 0.0),
+    ("<answer>(-1, 2)</answer>", "(1, 2)", 0.0),
+    ("<answer>[1, 2]</answer>", "(1, 2)", 0.0),
+    ("<answer>x<3</answer>", "x>3", 0.0),
+    ("<answer>5!</answer>", "5", 0.0),
+    ("<answer>\\left( 1, 2 \\right)</answer>", "(1,2)", 1.0),
+    # numbers compare exactly, never "close enough"
+    ("<answer>1048575</answer>", "1048576", 0.0),
+    ("<answer>0</answer>", "1e-10", 0.0),
+    ("<answer>2e400</answer>", "1e400", 0.0),
+    ("<answer>-0.5</answer>", "-\\frac{1}{2}", 1.0),
+    ("<answer>-\\frac{1}{2}</answer>", "-1/2", 1.0),
+    ("<answer>12 \\text{cm}</answer>", "12", 1.0),
+    ("<answer>12.0</answer>", "12", 1.0),
+    ("<ANSWER>7", "7", 1.0),  # tags are case-insensitive, closed or not
+    ("<answer>March 3, 1945</answer>", "march 3 1945", 1.0),
 ])
 def test_rule_reward_table(answer, truth, expected):
     assert fg.rule_reward(answer, truth) == expected
@@ -1317,6 +1337,15 @@ def test_llm_judge_falls_back_to_rule_and_counts():
 
 
 # ------------------------------------------------------------------------------------- advantages and loss
+
+
+def test_group_advantages_edge_cases():
+    # one-member groups and non-contiguous ids: a single sample carries no comparison, so 0
+    adv = fg.group_advantages([1.0, 0.0, 1.0, 0.0], [7, 3, 3, 9])
+    assert adv[0] == 0 and adv[3] == 0 and adv[1] < 0 < adv[2]
+    # 'batch': the zero-variance group stays exactly 0 and the others are scaled by the batch std
+    batch = fg.group_advantages([1, 0, 1, 1], [0, 0, 1, 1], scale="batch")
+    assert batch[2] == 0 and batch[3] == 0 and batch[0] == -batch[1] > 0
 
 
 def test_group_advantages():
@@ -1401,9 +1430,10 @@ def test_ratio_is_one_before_the_first_update(tiny):
     rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5], group=2)
     for mode in ("captured", "recompute"):
         cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=3, old_logprobs=mode)
-        if mode == "recompute":
-            fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="old_logp")
-        else:
+        if mode == "recompute":  # other chunks than the update's (2 vs 3 rows): padding must not matter
+            fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=2, attr="old_logp")
+            assert all(torch.allclose(r.old_logp, r.behaviour_logp, atol=1e-4) for r in rows)
+        else:  # the sampler's own log-probs against the update's forward pass: the real test
             for r in rows:
                 r.old_logp = r.behaviour_logp
         fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="ref_logp", base=True)
@@ -1472,6 +1502,50 @@ def test_non_finite_loss_skips_the_update(tiny):
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
 
 
+def test_minibatches_keep_trajectories_whole_and_step_once_each(tiny, monkeypatch):
+    model, tok = tiny
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 8), max_new_tokens=3, temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0] * 4, group=4)
+    for r, traj in zip(rows, [0, 0, 1, 1, 2, 3, 3, 3]):  # trajectories with 1-3 turns
+        r.traj_id = traj
+        r.old_logp = r.ref_logp = r.behaviour_logp
+    seen = []
+    monkeypatch.setattr(fg, "minibatch_loss_and_backward",
+                        lambda m, mb, cfg: (seen.append(sorted(r.traj_id for r in mb)), (0.0, {}))[1])
+
+    class CountingOpt:
+        steps = 0
+        def zero_grad(self, set_to_none=True): pass
+        def step(self): CountingOpt.steps += 1
+
+    cfg = fg.Config(model="tiny", num_minibatches=2, ppo_epochs=3)
+    fg.update_policy(model, CountingOpt(), rows, cfg, step=1)
+    assert CountingOpt.steps == 6 and len(seen) == 6  # ppo_epochs x num_minibatches optimizer steps
+    turns = Counter(r.traj_id for r in rows)
+    for mb in seen:  # every trajectory in a minibatch brings ALL its turns
+        assert all(mb.count(t) == turns[t] for t in set(mb))
+    for e in range(3):  # and each epoch covers every row exactly once
+        assert sorted(seen[2 * e] + seen[2 * e + 1]) == sorted(r.traj_id for r in rows)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    cfg = fg.Config(model="tiny", lr=1.0, warmup_steps=2, max_steps=10)
+    opt, sched = fg.make_optimizer(torch.nn.Linear(1, 1), cfg)
+    lrs = []
+    for _ in range(cfg.max_steps):
+        lrs.append(sched.get_last_lr()[0])
+        sched.step()
+    assert lrs[0] < lrs[1] < lrs[2] == pytest.approx(1.0)  # linear warmup
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # then monotone cosine decay
+    assert lrs[-1] == pytest.approx(0.1)  # reaching the 10% floor on the last step
+
+
+def test_bad_values_are_refused_in_one_line():
+    for argv in (["--temperature", "0"], ["--max-new-tokens", "0"], ["--group-size", "-1"]):
+        with pytest.raises(SystemExit):
+            fg.parse_config(argv)
+
+
 def test_learning_toy_task_reward_rises():
     """The real sampling, advantage, loss and update code makes a random tiny model learn within seconds."""
     curve = fg.toy_learning_curve(seed=0, steps=20)
@@ -1522,6 +1596,16 @@ def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, samp
     from safetensors.torch import load_file
     wa, wb = load_file(str(ckpt / "adapter_model.safetensors")), load_file(str(tmp_path / "b" / "checkpoint-2" / "adapter_model.safetensors"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, sample_data):
+    log_file = tmp_path / "metrics.jsonl"
+    log_file.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')  # crash mid-write
+    fg.trim_jsonl(log_file, 2)
+    assert log_file.read_text() == '{"step": 1}\n{"step": 2}\n'
+    (tmp_path / "checkpoint-2").mkdir()
+    with pytest.raises(SystemExit, match="--resume"):  # a new run must not overwrite an old one's logs
+        fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
 
 
 def test_data_stream_is_deterministic_and_covers_each_epoch():
