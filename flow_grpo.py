@@ -32,7 +32,7 @@ HOW TO RUN
     python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
     python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
     python flow_grpo.py --preset smoke --max-steps 3   # offline CPU run on a tiny random model
-    python -m pytest -q test_flow_grpo.py              # the tests (CPU, offline)
+    python -m pytest -q                                # the tests (CPU, offline)
 
 DELIBERATE SIMPLIFICATIONS (and why)
   * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM)
@@ -61,6 +61,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
 import random
@@ -90,7 +91,7 @@ from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # bitsandbytes (imported by peft) warns on CPU-only machines that its optional CPU kernels are missing.
-warnings.filterwarnings("ignore", message="Failed to load CPU gemm_4bit")
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
 
 # =====================================================================================================
@@ -128,7 +129,7 @@ class Config:
     max_turns: int = 5  # planner turns per trajectory at most
     max_new_tokens: int = 256  # longest planner action, in tokens
     fixed_max_tokens: int = 512  # longest output of a fixed role or a tool's LLM call
-    memory_chars: int = 2000  # each tool result is cut to this many characters in memory
+    memory_chars: int = 2000  # every string in a tool result is cut to this many characters in memory
     tool_timeout_s: float = 10.0  # wall-clock limit of one tool call (Python sandbox, web requests)
     tool_workers: int = 8  # tool calls running at once
     # --- rollout and Flow-GRPO ---
@@ -174,6 +175,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
 
+
+def tool_names(cfg: Config) -> list[str]:
+    return [t.strip() for t in cfg.tools.split(",") if t.strip()]
+
 # One line of help per field, read from the comment after it, so the dataclass stays the one place to look.
 _HELP = dict(re.findall(r"^    (\w+): [^=]+= .*?  # (.*)$", Path(__file__).read_text(), re.M))
 
@@ -206,6 +211,14 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
                           ("device", ("auto", "cuda", "cpu"))]:
         if getattr(cfg, name) not in choices:
             parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
+    modes = [m for m in ("ask", "eval", "benchmark", "learning_curve") if getattr(cfg, m)]
+    if len(modes) > 1:
+        parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve (got {len(modes)})")
+    tools = tool_names(cfg)
+    if not tools or any(t not in TOOL_CLASSES for t in tools):
+        parser.error(f"--tools must name one or more of {sorted(TOOL_CLASSES)}, not {cfg.tools!r}")
+    if cfg.eval_limit < 0:
+        parser.error("--eval-limit must be >= 0 (0 = all)")
     for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
                  "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every"):
         if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
@@ -276,7 +289,8 @@ def schema_instruction(schema: type[BaseModel]) -> str:
 
 
 class Engine:
-    """The interface. Subclasses implement _complete(prompts, max_tokens) -> list[str]."""
+    """The interface. Subclasses implement _complete(prompts, max_tokens, schema) -> list[str]; generate() adds
+    the schema instruction to the prompts before and parses the texts after."""
 
     max_tokens: int = 512
 
@@ -312,7 +326,7 @@ class OpenAIEngine(Engine):
         # vLLM started without --api-key accepts any key, so a missing variable is not an error.
         self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",
                               timeout=timeout_s, max_retries=0)  # retries are ours: visible and testable
-        self.model, self.max_retries, self.backoff_s, self.workers = model, max_retries, backoff_s, workers
+        self.base_url, self.model, self.max_retries, self.backoff_s, self.workers = base_url, model, max_retries, backoff_s, workers
         self.max_tokens, self.temperature = max_tokens, temperature
         self.json_schema_supported = True  # flips to False the first time the server rejects response_format
         self.failures = 0
@@ -341,8 +355,8 @@ class OpenAIEngine(Engine):
                 reply = self._client.chat.completions.create(**request)
                 return reply.choices[0].message.content or ""
             except openai.BadRequestError as e:
-                if "response_format" in request:  # this server has no structured output: prompt-only from now on
-                    self.json_schema_supported = False
+                if "response_format" in request and re.search(r"response_format|json_schema|guided", str(e), re.I):
+                    self.json_schema_supported = False  # this server has no structured output: prompt-only now on
                     continue
                 log(f"[engine] request rejected: {str(e)[:200]}")
                 break
@@ -414,34 +428,68 @@ def build_tiny_model(seed: int = 0):
     return model.eval(), tokenizer
 
 
+# One GPU, one generation at a time: every LocalEngine of this process takes this lock, because the
+# adapter switch (on for the planner, off for the fixed roles) is state of the one shared model.
+_GENERATION_LOCK = threading.Lock()
+
+
 class LocalEngine(Engine):
     """In-process greedy generation with transformers, on the policy's weights.
 
     use_adapter=False (the fixed roles): the LoRA adapter is switched off, so this IS the frozen base model and
     costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
-    Calls are serialised with a lock: the adapter switch is global model state, and tools call the engine
-    from several threads. Prompts are batched `batch_size` at a time, left-padded (generation appends on the
-    right, so all rows must END at the same column).
+    Tools call the engine from many threads at once. Each call queues its prompts; whichever thread gets the
+    generation lock next serves EVERY queued prompt in one batched generate, so concurrent tool calls share
+    batches instead of waiting for each other one by one. Prompts are left-padded (generation appends on
+    the right, so all rows must END at the same column).
     """
 
-    def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 16):
+    def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
         self.max_tokens, self.batch_size = max_tokens, batch_size
-        self._lock = threading.Lock()
+        self._queue: list[tuple[list[str], int, concurrent.futures.Future]] = []
+        self._queue_lock = threading.Lock()
+        self.generate_calls = 0  # batched generate() calls made (the batching test reads it)
 
     def _complete(self, prompts, max_tokens, schema):
+        mine: concurrent.futures.Future = concurrent.futures.Future()
+        with self._queue_lock:
+            self._queue.append((prompts, max_tokens, mine))
+        with _GENERATION_LOCK:
+            if not mine.done():  # nobody served us while we waited: serve the whole queue
+                with self._queue_lock:
+                    queued, self._queue = self._queue, []
+                self._serve(queued)
+        return mine.result()
+
+    def _serve(self, queued: list) -> None:
+        """Generate for all queued requests, grouped by token limit, and hand each caller its slice."""
+        for limit in sorted({q[1] for q in queued}):
+            group = [q for q in queued if q[1] == limit]
+            try:
+                texts = self._generate([p for q in group for p in q[0]], limit)
+            except Exception as e:  # the callers re-raise it in their own threads
+                for q in group:
+                    q[2].set_exception(e)
+                continue
+            for prompts, _, future in group:
+                future.set_result(texts[:len(prompts)])
+                texts = texts[len(prompts):]
+
+    def _generate(self, prompts: list[str], max_tokens: int) -> list[str]:
         gen_cfg = copy.deepcopy(self.model.generation_config)
         # Greedy: deterministic answers from the fixed roles. Sampling knobs are cleared so none applies.
         gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
                        pad_token_id=self.tokenizer.pad_token_id)
         outs: list[str] = []
         switch = contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model)
-        with self._lock, switch, torch.no_grad():
+        with switch, torch.no_grad():
             for i in range(0, len(prompts), self.batch_size):
                 chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                                      add_special_tokens=False).to(self.model.device)
                 ids = self.model.generate(**enc, generation_config=gen_cfg)
+                self.generate_calls += 1
                 outs += self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return outs
 
@@ -623,7 +671,8 @@ def _wait_then_kill_group(proc: subprocess.Popen, timeout_s: float) -> bool:
     children it left behind. We wait with WNOWAIT, i.e. WITHOUT reaping: while the
     leader is an unreaped zombie its pid (= the group id) cannot be recycled, so
     the killpg below can never hit an unrelated process group.
-    Known gap: a child that calls os.setsid() leaves the group and survives.
+    Known gap without a PID namespace (see pid_namespace_prefix): a child that calls os.setsid() leaves the
+    group and survives.
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.001
@@ -706,6 +755,37 @@ def _describe_failure(returncode: int, timed_out: bool, timeout_s: float,
     return f"exited with code {returncode}"
 
 
+_ISOLATION: Optional[list[str]] = None  # probed once: the command prefix that gives the child its own PIDs
+
+
+def pid_namespace_prefix() -> list[str]:
+    """A command prefix that runs the child in its own PID namespace with its own /proc, or [] if the
+    system does not allow it.
+
+    Why: a scrubbed environment is not enough. Any process of the same user (or root) can read
+    /proc/<trainer pid>/environ - the trainer's ORIGINAL environment, API keys included. In a fresh PID
+    namespace the trainer does not exist at all. Bonus: when the namespace's first process dies, the kernel
+    kills every process in it, even one that escaped the process group with setsid().
+    `unshare --pid` needs root; other users get the same through a user namespace (--map-root-user) where
+    the system allows them. Without either, the sandbox still works, minus this protection.
+    """
+    global _ISOLATION
+    if _ISOLATION is None:
+        _ISOLATION = []
+        # sh is the namespace's PID 1 and Python its child: PID 1 ignores signals sent from inside its own
+        # namespace, which would make os.kill(os.getpid(), SIGKILL) in the snippet a silent no-op. (Not
+        # `exec`ing, sh reports a signal death as exit code 128 + N; _run_sandboxed maps it back.)
+        base = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c", '"$@"; exit $?', "sh"]
+        for prefix in (base, ["unshare", "--user", "--map-root-user", *base[1:]]):
+            try:
+                if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
+                    _ISOLATION = prefix
+                    break
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+    return _ISOLATION
+
+
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> dict:
     # Two throw-away directories: the snippet's cwd/HOME (holds only snippet.py),
     # and a separate one for its captured output, so `shutil.rmtree(".")` or
@@ -726,7 +806,7 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars
                 #     `json.py` in the cwd cannot shadow the stdlib);
                 # -u: unbuffered, so what was printed before a timeout kill is kept;
                 # -X utf8: UTF-8 I/O whatever the locale.
-                [sys.executable, "-I", "-u", "-X", "utf8", script],
+                [*pid_namespace_prefix(), sys.executable, "-I", "-u", "-X", "utf8", script],
                 cwd=workdir,
                 env=_sandbox_env(workdir),
                 stdin=subprocess.DEVNULL,  # input() gets EOF at once instead of hanging
@@ -737,15 +817,18 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars
                 preexec_fn=_rlimit_setter(memory_mb, math.ceil(timeout_s) + 1),
             )
             timed_out = _wait_then_kill_group(proc, timeout_s)
+        returncode = proc.returncode
+        if pid_namespace_prefix() and returncode > 128:  # sh's way of saying "killed by signal N"
+            returncode = 128 - returncode
         output_overflow = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= SANDBOX_MAX_FILE_BYTES
         stdout = _read_head(out_path, max_output_chars)
         stderr = _read_tail(err_path, max_output_chars)
     return {
         "stdout": stdout,
         "stderr": stderr,
-        "error": _describe_failure(proc.returncode, timed_out, timeout_s, output_overflow, stderr),
+        "error": _describe_failure(returncode, timed_out, timeout_s, output_overflow, stderr),
         "timed_out": timed_out,
-        "returncode": proc.returncode,
+        "returncode": returncode,
     }
 
 
@@ -1367,10 +1450,10 @@ def make_tools(names: list[str], engine: Engine, **options: Any) -> dict[str, To
     unknown = [n for n in names if n not in TOOL_CLASSES]
     if unknown:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
-    accepted = {n: set(inspect.signature(TOOL_CLASSES[n].__init__).parameters) for n in names}
+    accepted = {n: set(inspect.signature(cls.__init__).parameters) for n, cls in TOOL_CLASSES.items()}
     unused = [opt for opt in options if not any(opt in params for params in accepted.values())]
     if unused:  # a typo like `timout_s=5` would otherwise be ignored silently
-        raise ValueError(f"option(s) {unused} are not accepted by any of the tools {list(names)}")
+        raise ValueError(f"option(s) {unused} are not accepted by any tool")
     return {n: TOOL_CLASSES[n](engine, **{k: v for k, v in options.items() if k in accepted[n]})
             for n in names}
 
@@ -1428,7 +1511,7 @@ class Turn:
     """One planner turn and everything that followed from it."""
     plan_text: str  # the planner's raw output: the action a_t
     plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
-    call: Optional[dict]  # the executor's validated tool call
+    call: Optional[dict]  # the tool call that was run: {"tool_name", "arguments"} (the tool validated them)
     result: Any  # what the tool returned, or {"error": ...}
     verdict: Optional[Verification]  # the verifier's decision after this turn
     planner_output: Any = None  # what the planner returned (a Sample with ids and log-probs in rollouts)
@@ -1464,6 +1547,8 @@ def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) ->
         return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
     if call is None:
         return None, {"error": "the executor's tool call was not valid JSON"}
+    if call.tool_name != plan.tool_name:
+        return None, {"error": f"the executor called {call.tool_name!r} but the plan chose {plan.tool_name!r}"}
     command = {"tool_name": plan.tool_name, "arguments": call.arguments}
     try:
         return command, tools[plan.tool_name](call.arguments)  # __call__ validates against the input schema
@@ -1511,7 +1596,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
                 st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
                 if command is not None:
                     st.stats[f"tool:{command['tool_name']}"] += 1
-                    st.stats["tool_error"] += isinstance(result, dict) and "error" in result
+                    st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
             with timed(timings, "fixed"):
                 verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
                                           schema=Verification)
@@ -1920,6 +2005,8 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
     if cfg.load_in_4bit and trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.adapter:
+        if not (Path(cfg.adapter) / "adapter_config.json").exists():
+            raise SystemExit(f"error: --adapter {cfg.adapter}: no adapter_config.json there (use a checkpoint-<step> folder)")
         model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=trainable)
     elif trainable:
         model = get_peft_model(model, LoraConfig(
@@ -1935,18 +2022,35 @@ def make_fixed_engine(cfg: Config, model, tokenizer) -> Engine:
     """The frozen roles: a remote OpenAI-compatible server when --fixed-base-url is set, else the policy's
     own base weights with the adapter off (no server, no second copy of the model)."""
     if cfg.fixed_base_url:
-        return OpenAIEngine(cfg.fixed_base_url, cfg.fixed_model or cfg.model, api_key_env=cfg.api_key_env,
-                            timeout_s=cfg.request_timeout_s, max_tokens=cfg.fixed_max_tokens)
+        return checked(OpenAIEngine(cfg.fixed_base_url, cfg.fixed_model or cfg.model, api_key_env=cfg.api_key_env,
+                                    timeout_s=cfg.request_timeout_s, max_tokens=cfg.fixed_max_tokens), "--fixed-base-url")
     return LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
+
+
+def checked(engine: "OpenAIEngine", flag: str) -> "OpenAIEngine":
+    """One tiny request before anything else: a wrong URL or model name is one clear line at start-up, not a
+    whole run of empty answers and zero rewards."""
+    engine.ask("Reply with OK.", max_tokens=4)
+    if engine.failures:
+        raise SystemExit(f"error: the server at {flag} {engine.base_url} did not answer for model {engine.model!r} "
+                         f"(see the line above); check the URL, the model name and --api-key-env")
+    return engine
 
 
 def make_judge(cfg: Config, fixed: Engine) -> Optional[Engine]:
     if cfg.judge == "rule":
         return None
     if cfg.judge_base_url:
-        return OpenAIEngine(cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, api_key_env=cfg.api_key_env,
-                            timeout_s=cfg.request_timeout_s, max_tokens=256)
+        return checked(OpenAIEngine(cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, api_key_env=cfg.api_key_env,
+                                    timeout_s=cfg.request_timeout_s, max_tokens=256), "--judge-base-url")
     return fixed
+
+
+def build_system(cfg: Config, device: str, *, trainable: bool):
+    """Everything a rollout needs: the policy and its tokenizer, the fixed-role engine and the tools."""
+    model, tokenizer = load_policy(cfg, device, trainable=trainable)
+    fixed = make_fixed_engine(cfg, model, tokenizer)
+    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, timeout_s=cfg.tool_timeout_s)
 
 
 def load_questions(path: str, limit: int = 0) -> list[dict]:
@@ -1963,15 +2067,20 @@ def load_questions(path: str, limit: int = 0) -> list[dict]:
 
 
 def ensure_sample_data(cfg: Config) -> None:
-    """The smoke preset's data is built offline on first use by prepare_data.py's --sample writer."""
-    if Path(cfg.train_file).exists() and Path(cfg.val_file).exists():
+    """The smoke preset's data is built offline on first use by prepare_data.py's --sample writer - only at
+    the preset's own paths, never over a file the user named."""
+    smoke = PRESETS["smoke"]
+    missing = [(p, d) for p, d in ((cfg.train_file, smoke["train_file"]), (cfg.val_file, smoke["val_file"]))
+               if not Path(p).exists() and p == d]
+    if not missing:
         return
     import prepare_data
 
     train, val = prepare_data.build_sample(seed=cfg.seed)
-    prepare_data.write_dataset(train, cfg.train_file)
-    prepare_data.write_dataset(val, cfg.val_file)
-    log(f"wrote the offline sample set: {cfg.train_file} ({len(train)} rows), {cfg.val_file} ({len(val)} rows)")
+    for path, rows in ((cfg.train_file, train), (cfg.val_file, val)):
+        if (path, path) in missing:
+            prepare_data.write_dataset(rows, path)
+            log(f"wrote the offline sample set: {path} ({len(rows)} rows)")
 
 
 @dataclass
@@ -2280,10 +2389,8 @@ def train(cfg: Config) -> Path:
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data_rows = load_questions(cfg.train_file)
-    model, tokenizer = load_policy(cfg, device, trainable=True)
-    fixed = make_fixed_engine(cfg, model, tokenizer)
+    model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
     judge = make_judge(cfg, fixed)
-    tools = make_tools([t.strip() for t in cfg.tools.split(",") if t.strip()], fixed, timeout_s=cfg.tool_timeout_s)
     optimizer, scheduler = make_optimizer(model, cfg)
     data = DataStream(len(data_rows), cfg.seed)
     start = 0
@@ -2376,10 +2483,8 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
 
 
 def build_agent(cfg: Config, device: str):
-    """Policy (with --adapter when given), fixed engine, judge and tools for --ask / --eval / --benchmark."""
-    model, tokenizer = load_policy(cfg, device, trainable=False)
-    fixed = make_fixed_engine(cfg, model, tokenizer)
-    tools = make_tools([t.strip() for t in cfg.tools.split(",") if t.strip()], fixed, timeout_s=cfg.tool_timeout_s)
+    """Policy (with --adapter when given), fixed engine, tools and a greedy planner engine for --ask/--eval."""
+    model, tokenizer, fixed, tools = build_system(cfg, device, trainable=False)
     planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
     return model, tokenizer, fixed, tools, planner
 
@@ -2488,6 +2593,8 @@ def update_memory_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, v
     proc = ctx.Process(target=_update_memory_probe, args=(mode, prompt_len, action_len, vocab, queue))
     proc.start()
     proc.join()
+    if proc.exitcode != 0:  # e.g. killed for memory: say so instead of a queue.Empty traceback
+        raise SystemExit(f"error: the {mode} memory probe died (exit code {proc.exitcode}); it needs ~8 GB of RAM")
     return queue.get(timeout=5)
 
 
@@ -2500,9 +2607,7 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
     (c) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs.
     """
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
-    model, tokenizer = load_policy(cfg, device, trainable=True)
-    fixed = make_fixed_engine(cfg, model, tokenizer)
-    tools = make_tools([t.strip() for t in cfg.tools.split(",") if t.strip()], fixed, timeout_s=cfg.tool_timeout_s)
+    model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
     kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
               max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
     rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs

@@ -319,6 +319,8 @@ def probe_hub(timeout: float = 5.0) -> str | None:
     """
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         return None  # the user chose offline mode; don't second-guess it
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # behind a proxy a direct connection proves nothing; let the hub client try
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = url.port or (80 if url.scheme == "http" else 443)
     try:

@@ -11,12 +11,14 @@ import json
 import math
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -449,16 +451,6 @@ def echo_engine():
     return ScriptedEngine(lambda prompt: prompt)
 
 
-def alive(pid: int) -> bool:
-    """Running (not a zombie). Killed orphans can stay zombies when PID 1 does not reap."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
-
-
 # ----------------------------------------------------------------------------- sandbox
 
 def test_clean_run_returns_stdout_and_no_error():
@@ -501,6 +493,35 @@ def test_parent_secrets_are_not_visible(monkeypatch):
     assert "'PATH': '/usr/bin:/bin'" in result["stdout"]
 
 
+def test_sandbox_cannot_read_the_trainers_original_environment():
+    """/proc/<pid>/environ shows the environment a process STARTED with, whatever os.environ says now, so a
+    scrubbed env alone is not enough. A separate 'trainer' process starts with a secret and runs code that
+    hunts for it through /proc."""
+    if not fg.pid_namespace_prefix():
+        pytest.skip("no PID namespace here (needs root or user namespaces): see pid_namespace_prefix")
+    hunt = ("import glob, os\nfound = []\nfor p in glob.glob('/proc/*/environ'):\n    try:\n"
+            "        found += [p] if b'hunter2' in open(p, 'rb').read() else []\n    except OSError:\n        pass\n"
+            "print('ppid', os.getppid(), 'found', found)")
+    trainer = f"import flow_grpo, json\nprint(json.dumps(flow_grpo.run_python({hunt!r})))"
+    out = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "FLOW_GRPO_TEST_SECRET": "hunter2-do-not-leak"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["error"] is None and "found []" in result["stdout"], result
+
+
+def test_setsid_child_dies_with_the_sandbox(tmp_path):
+    """A grandchild that leaves the process group with setsid() is still killed: it lives in the sandbox's
+    PID namespace, which the kernel empties when its first process exits."""
+    if not fg.pid_namespace_prefix():
+        pytest.skip("no PID namespace here (needs root or user namespaces): see pid_namespace_prefix")
+    marker = tmp_path / "alive"
+    code = (f"import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 1.5; touch {marker}'], start_new_session=True,"
+            f" stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\nprint('spawned')")
+    assert run_python(code, timeout_s=5)["stdout"] == "spawned\n"
+    time.sleep(2.5)
+    assert not marker.exists()  # the escaped grandchild never got to run its command
+
+
 def test_stdin_is_empty_not_blocking():
     start = time.monotonic()
     result = run_python("import sys\nprint(repr(sys.stdin.read()))\ninput()", timeout_s=5)
@@ -532,25 +553,25 @@ def test_exit_codes_and_signals_are_described():
     assert killed["error"].startswith("killed by signal 9") and killed["timed_out"] is False
 
 
-def test_children_left_behind_are_killed():
+def test_children_left_behind_are_killed(tmp_path):
+    """Children started by the snippet (Popen, a shell's `&`, os.fork) must not outlive the call. Each one
+    would create a marker file 1.5 s later; none may appear. (Markers, not pids: inside the sandbox's PID
+    namespace the snippet only sees namespace-local pids.)"""
+    m = [tmp_path / f"alive{i}" for i in range(3)]
     code = (
         "import os, subprocess, time\n"
-        "p = subprocess.Popen(['sleep', '100'])\n"
-        "shell = subprocess.run('sleep 100 >/dev/null 2>&1 & echo $!', shell=True, capture_output=True, text=True)\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    time.sleep(100)\n"
+        f"p = subprocess.Popen(['sh', '-c', 'sleep 1.5; touch {m[0]}'])\n"
+        f"subprocess.run('(sleep 1.5; touch {m[1]}) >/dev/null 2>&1 &', shell=True)\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(1.5)\n"
+        f"    open('{m[2]}', 'w').close()\n"
         "    os._exit(0)\n"
-        "print(p.pid, int(shell.stdout), pid)\n"
+        "print('spawned')\n"
     )
     result = run_python(code, timeout_s=5)
-    assert result["error"] is None, result
-    pids = [int(p) for p in result["stdout"].split()]
-    assert len(pids) == 3
-    deadline = time.monotonic() + 2  # SIGKILL delivery is asynchronous
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not any(alive(p) for p in pids)
+    assert result["error"] is None and result["stdout"] == "spawned\n", result
+    time.sleep(2.5)
+    assert not any(p.exists() for p in m)
 
 
 def test_temp_dir_is_cwd_and_removed():
@@ -967,6 +988,24 @@ def test_flags_beat_presets_and_bad_choices_are_one_line():
         fg.parse_config(["--agg", "sum"])
 
 
+def test_cli_validation_and_single_tool():
+    for argv in (["--tools", "Bogus"], ["--tools", ","], ["--ask", "x", "--eval"], ["--eval-limit", "-1"]):
+        with pytest.raises(SystemExit):
+            fg.parse_config(argv)
+    tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], ScriptedEngine(str), timeout_s=3)
+    assert list(tools) == ["Generalist_Solution_Generator_Tool"]  # timeout_s is for other tools: fine
+
+
+def test_smoke_sample_data_never_overwrites_user_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    user = tmp_path / "mine.parquet"
+    user.write_bytes(b"my data")
+    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke", "--train-file", str(user), "--val-file", "gone.parquet"]))
+    assert user.read_bytes() == b"my data" and not (tmp_path / "gone.parquet").exists()
+    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke"]))  # the preset's own paths: written
+    assert (tmp_path / fg.PRESETS["smoke"]["train_file"]).exists() and (tmp_path / fg.PRESETS["smoke"]["val_file"]).exists()
+
+
 def test_no_cuda_means_one_clear_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
@@ -978,8 +1017,11 @@ def test_no_cuda_means_one_clear_line(tmp_path):
 def test_no_exec_or_eval_of_model_output():
     """Model-written text must never run inside the trainer: no exec()/eval() call anywhere in the file."""
     tree = ast.parse((ROOT / "flow_grpo.py").read_text())
-    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    assert not called & {"exec", "eval", "compile"}
+    calls = [n.func for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    bare = {f.id for f in calls if isinstance(f, ast.Name)}
+    via_module = {f.attr for f in calls if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                  and f.value.id == "builtins"}
+    assert not (bare | via_module) & {"exec", "eval", "compile", "__import__"}
 
 
 # ------------------------------------------------------------------------------------- parse_structured
@@ -1049,6 +1091,7 @@ class StubHandler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body["_auth"] = self.headers.get("Authorization")
         StubHandler.seen.append(body)
         kind, arg = StubHandler.script.pop(0) if StubHandler.script else ("ok", "fine")
         if kind == "hang":
@@ -1056,6 +1099,8 @@ class StubHandler(http.server.BaseHTTPRequestHandler):
             kind, arg = "ok", "late"
         if kind == "reject_schema" and "response_format" in body:
             return self._send(400, {"error": {"message": "response_format not supported"}})
+        if kind == "too_long":
+            return self._send(400, {"error": {"message": "maximum context length is 8192 tokens"}})
         if kind == "reject_schema":
             kind, arg = "ok", '{"analysis": "plain", "stop_signal": false}'
         if kind == "status":
@@ -1090,7 +1135,8 @@ def test_openai_engine_retries_a_500_then_succeeds(openai_stub, monkeypatch):
     StubHandler.script = [("status", 500), ("ok", "hello")]
     eng = fg.OpenAIEngine(openai_stub, "m", api_key_env="FLOW_TEST_KEY", backoff_s=0.01)
     assert eng.ask("hi") == "hello" and len(StubHandler.seen) == 2 and eng.failures == 0
-    assert "sk-secret" not in repr(eng)
+    assert StubHandler.seen[0]["_auth"] == "Bearer sk-secret-123"  # the key is read from the named variable
+    assert "sk-secret" not in repr(eng) and "sk-secret" not in repr(vars(eng))  # and kept out of sight
 
 
 def test_openai_engine_hang_times_out(openai_stub):
@@ -1113,6 +1159,22 @@ def test_openai_engine_structured_output_and_fallback(openai_stub):
     assert eng.ask("verify", schema=fg.Verification).analysis == "plain"
     assert "response_format" not in StubHandler.seen[-1] and not eng.json_schema_supported
     assert '"stop_signal"' in StubHandler.seen[-1]["messages"][0]["content"]
+
+
+def test_openai_engine_other_400s_keep_structured_output(openai_stub):
+    StubHandler.script = [("too_long", None)]
+    eng = fg.OpenAIEngine(openai_stub, "m")
+    assert eng.ask("verify", schema=fg.Verification) is None and eng.failures == 1
+    assert eng.json_schema_supported  # a context-length error says nothing about response_format
+
+
+def test_a_dead_remote_engine_is_one_line_at_start():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    with pytest.raises(SystemExit, match="did not answer"):
+        fg.checked(fg.OpenAIEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
 
 
 def test_openai_engine_batches_concurrently(openai_stub):
@@ -1140,6 +1202,20 @@ def test_local_engine_is_the_frozen_base(tiny):
     with model.disable_adapter():
         base_lp = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
     assert not torch.allclose(on, off, atol=1e-4) and torch.equal(off, base_lp)
+
+
+def test_local_engine_batches_concurrent_calls(tiny):
+    """Tools call the engine from many threads; queued prompts must share generate() calls and still get
+    exactly the answers they would get alone."""
+    model, tok = tiny
+    prompts = [f"question number {i}" for i in range(8)]
+    alone = fg.LocalEngine(model, tok, max_tokens=6)
+    expected = [alone.ask(p) for p in prompts]
+    shared = fg.LocalEngine(model, tok, max_tokens=6)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(shared.ask, prompts))
+    assert got == expected
+    assert shared.generate_calls < len(prompts)  # at least some calls were served together
 
 
 # ------------------------------------------------------------------------------------- the solver
@@ -1218,6 +1294,38 @@ def test_solver_turns_failures_into_memory(case):
     assert expect in err
     assert len(st.turns) == 2 and st.final_output  # the loop went on and still answered
     assert (st.stats["parse_fail:plan"] == 2) == (case == "malformed_plan")
+
+
+def test_solver_counts_failures_per_kind():
+    class Fixed(RoleEngine):
+        def _complete(self, prompts, max_tokens, schema):
+            out = super()._complete(prompts, max_tokens, schema)
+            return ["not json" if "executor" in p and "bad?" in p else o for p, o in zip(prompts, out)]
+
+    class Coder(EchoTool):  # like Python_Coder_Tool: always returns an 'error' key, None when it ran cleanly
+        def __call__(self, raw_args):
+            return {"stdout": "", "error": "boom"} if self.fail else {"stdout": "144", "error": None}
+
+    clean, broken = fg.solve_batch(["ok?", "bad?"], planner=lambda ps: [plan_json()] * len(ps),
+                                   fixed=Fixed(stop_after=1), tools={"Echo_Tool": Coder()}, max_turns=1)
+    assert clean.stats["tool_error"] == 0 and clean.stats["tool:Echo_Tool"] == 1
+    assert broken.stats["parse_fail:call"] == 1 and "not valid JSON" in broken.memory.steps[0]["result"]["error"]
+    failing = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(),
+                             tools={"Echo_Tool": Coder(fail=True)}, max_turns=1)[0]
+    assert failing.stats["tool_error"] == 1
+
+
+def test_executor_must_call_the_planned_tool():
+    class Other(RoleEngine):
+        def _complete(self, prompts, max_tokens, schema):
+            return [o.replace("Echo_Tool", "Other_Tool") if "executor" in p else o
+                    for p, o in zip(prompts, super()._complete(prompts, max_tokens, schema))]
+
+    tool = EchoTool()
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=Other(), tools={"Echo_Tool": tool},
+                        max_turns=1)[0]
+    assert "called 'Other_Tool' but the plan chose 'Echo_Tool'" in st.memory.steps[0]["result"]["error"]
+    assert tool.calls == []
 
 
 def test_solver_stops_at_max_turns_and_batches_in_lockstep():
@@ -1573,7 +1681,10 @@ def sample_data(tmp_path_factory):
     return d
 
 
-def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, sample_data):
+def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, sample_data, monkeypatch):
+    # A random model never earns a reward; alternate 0/1 inside every group so that the adapter, AdamW's moments
+    # and the scheduler really change, and a resume that lost any of them would show.
+    monkeypatch.setattr(fg, "judge_rewards", lambda qs, answers, truths, engine=None: ([float(i % 2) for i in range(len(qs))], 0))
     straight = smoke_cfg(tmp_path / "a", sample_data, max_steps=2)
     fg.train(straight)
     a = [json.loads(ln) for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -1581,7 +1692,8 @@ def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, samp
     for key in ("reward_mean", "loss", "kl", "clip_frac", "ratio_mean", "zero_std_frac", "turns_per_traj",
                 "plan_parse_fail", "tool_calls", "rollout_s", "update_s", "planner_tokens_per_s"):
         assert key in a[0], key
-    assert a[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert a[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and a[0]["reward_mean"] == 0.5
+    assert a[0]["grad_norm"] > 0 and a[1]["kl"] > 0  # step 1 moved the adapter away from the base
     ckpt = tmp_path / "a" / "checkpoint-2"
     assert (ckpt / "adapter_config.json").exists() and (ckpt / "adapter_model.safetensors").exists()
     assert (ckpt / "trainer_state.pt").exists() and (ckpt / "config.json").exists()
@@ -1591,7 +1703,7 @@ def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, samp
     fg.train(smoke_cfg(tmp_path / "b", sample_data, max_steps=2, resume=True))
     b = [json.loads(ln) for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in b] == [1, 2]
-    for key in ("reward_mean", "loss", "kl", "ratio_mean", "rows", "lr"):
+    for key in ("reward_mean", "loss", "kl", "ratio_mean", "clip_frac", "grad_norm", "rows", "lr"):
         assert b[1][key] == pytest.approx(a[1][key], rel=1e-5, abs=1e-7), key
     from safetensors.torch import load_file
     wa, wb = load_file(str(ckpt / "adapter_model.safetensors")), load_file(str(tmp_path / "b" / "checkpoint-2" / "adapter_model.safetensors"))
