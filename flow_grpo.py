@@ -116,6 +116,8 @@ class Config:
     judge_base_url: str = ""  # OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)
     judge_model: str = ""  # model name of the LLM judge
     api_key_env: str = "OPENAI_API_KEY"  # name of the env variable holding the API key (never printed)
+    embed_base_url: str = ""  # OpenAI-compatible embeddings URL to rank web passages (empty = BM25, no key)
+    embed_model: str = ""  # embeddings model name at --embed-base-url
     request_timeout_s: float = 120.0  # timeout of one remote request
     device: str = "auto"  # 'auto' (cuda if available), 'cuda' or 'cpu'
     load_in_4bit: bool = False  # QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)
@@ -2050,7 +2052,13 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     """Everything a rollout needs: the policy and its tokenizer, the fixed-role engine and the tools."""
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
     fixed = make_fixed_engine(cfg, model, tokenizer)
-    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, timeout_s=cfg.tool_timeout_s)
+    options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
+    if cfg.embed_base_url:  # optional dense retrieval for the web tool; BM25 otherwise
+        from openai import OpenAI
+
+        options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, api_key=os.environ.get(cfg.api_key_env) or "EMPTY",
+                                           timeout=cfg.request_timeout_s), embed_model=cfg.embed_model or "text-embedding-3-small")
+    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, **options)
 
 
 def load_questions(path: str, limit: int = 0) -> list[dict]:
