@@ -82,15 +82,14 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-# Heavy imports (torch, transformers, peft, openai, ...) stay inside the functions that need them where that
-# keeps `--help` fast; torch and pydantic are used everywhere below, so they are imported once here.
+# transformers, peft, openai and pandas are imported inside the functions that use them, so that `--help`
+# and the tests of single pieces start fast; torch and pydantic are used throughout, so they come in here.
 import requests
 import torch
 import wikipedia
 from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-# bitsandbytes (imported by peft) warns on CPU-only machines that its optional CPU kernels are missing.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
 
@@ -1591,19 +1590,21 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
             # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls).
             with timed(timings, "tools"):
                 ran = list(pool.map(lambda pc: run_step(tools, *pc), zip(plans, calls)))
-            # 4) MEMORY, then 5) VERIFY: one batched verifier call.
-            for st, text, plan, call, (command, result) in zip(live, texts, plans, calls, ran):
+            # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
+            for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
                 st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
+                st.turns.append(Turn(text, plan, command, result, None, out))
                 st.stats["parse_fail:plan"] += plan is None
                 st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
                 if command is not None:
                     st.stats[f"tool:{command['tool_name']}"] += 1
                     st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
+            # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
             with timed(timings, "fixed"):
                 verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
                                           schema=Verification)
-            for st, text, plan, call, (command, result), out, v in zip(live, texts, plans, calls, ran, outputs, verdicts):
-                st.turns.append(Turn(text, plan, command, result, v, out))
+            for st, v in zip(live, verdicts):
+                st.turns[-1].verdict = v
                 st.stats["parse_fail:verdict"] += v is None
                 st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
@@ -1611,7 +1612,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
     for st, text in zip(states, finals):
         text = text.strip()
-        st.final_output = text if "<answer>" in text else f"<answer>{text}</answer>"
+        st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
         st.done = True
     return states
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -1718,6 +1719,24 @@ def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, 
     (tmp_path / "checkpoint-2").mkdir()
     with pytest.raises(SystemExit, match="--resume"):  # a new run must not overwrite an old one's logs
         fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
+
+
+def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "flow_grpo.py", "--preset", "smoke", "--max-steps", "50", "--save-every", "100",
+                             "--train-file", str(sample_data / "train.parquet"), "--output-dir", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-2000:]
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 50
+    assert fg.latest_checkpoint(out).name == f"checkpoint-{steps[-1]}"  # saved exactly where it stopped
+    assert "--resume" in err
 
 
 def test_data_stream_is_deterministic_and_covers_each_epoch():
