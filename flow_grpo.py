@@ -67,6 +67,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -456,26 +457,40 @@ class LocalEngine(Engine):
         mine: concurrent.futures.Future = concurrent.futures.Future()
         with self._queue_lock:
             self._queue.append((prompts, max_tokens, mine))
-        with _GENERATION_LOCK:
-            if not mine.done():  # nobody served us while we waited: serve the whole queue
-                with self._queue_lock:
-                    queued, self._queue = self._queue, []
-                self._serve(queued)
+        while not mine.done():  # poll, so that a caller served by another thread returns at once
+            if _GENERATION_LOCK.acquire(timeout=0.005):
+                try:
+                    with self._queue_lock:
+                        queued, self._queue = self._queue, []
+                    self._serve(queued)
+                finally:
+                    _GENERATION_LOCK.release()
         return mine.result()
 
     def _serve(self, queued: list) -> None:
-        """Generate for all queued requests, grouped by token limit, and hand each caller its slice."""
-        for limit in sorted({q[1] for q in queued}):
-            group = [q for q in queued if q[1] == limit]
-            try:
-                texts = self._generate([p for q in group for p in q[0]], limit)
-            except Exception as e:  # the callers re-raise it in their own threads
-                for q in group:
-                    q[2].set_exception(e)
-                continue
-            for prompts, _, future in group:
-                future.set_result(texts[:len(prompts)])
-                texts = texts[len(prompts):]
+        """Generate for all queued requests, grouped by token limit, and hand each caller its slice.
+        If a batch fails (say, out of memory because of one huge prompt), each request is retried alone, so
+        one caller's problem never becomes another's."""
+        try:
+            for limit in sorted({q[1] for q in queued}):
+                group = [q for q in queued if q[1] == limit]
+                try:
+                    texts = self._generate([p for q in group for p in q[0]], limit)
+                except Exception:
+                    texts = None
+                for prompts, _, future in group:
+                    if texts is not None:
+                        future.set_result(texts[:len(prompts)])
+                        texts = texts[len(prompts):]
+                        continue
+                    try:
+                        future.set_result(self._generate(prompts, limit))
+                    except Exception as e:  # the caller re-raises it in its own thread
+                        future.set_exception(e)
+        finally:  # even on KeyboardInterrupt: no caller may wait forever
+            for _, _, future in queued:
+                if not future.done():
+                    future.set_exception(RuntimeError("generation was interrupted"))
 
     def _generate(self, prompts: list[str], max_tokens: int) -> list[str]:
         gen_cfg = copy.deepcopy(self.model.generation_config)
@@ -757,6 +772,7 @@ def _describe_failure(returncode: int, timed_out: bool, timeout_s: float,
 
 
 _ISOLATION: Optional[list[str]] = None  # probed once: the command prefix that gives the child its own PIDs
+_ISOLATION_LOCK = threading.Lock()  # tools run in threads: none may run unisolated while the probe runs
 
 
 def pid_namespace_prefix() -> list[str]:
@@ -771,26 +787,34 @@ def pid_namespace_prefix() -> list[str]:
     the system allows them. Without either, the sandbox still works, minus this protection.
     """
     global _ISOLATION
-    if _ISOLATION is None:
-        _ISOLATION = []
-        # sh is the namespace's PID 1 and Python its child: PID 1 ignores signals sent from inside its own
-        # namespace, which would make os.kill(os.getpid(), SIGKILL) in the snippet a silent no-op. (Not
-        # `exec`ing, sh reports a signal death as exit code 128 + N; _run_sandboxed maps it back.)
-        base = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c", '"$@"; exit $?', "sh"]
-        for prefix in (base, ["unshare", "--user", "--map-root-user", *base[1:]]):
-            try:
-                if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
-                    _ISOLATION = prefix
-                    break
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-    return _ISOLATION
+    with _ISOLATION_LOCK:
+        if _ISOLATION is None:
+            _ISOLATION = _probe_pid_namespace()
+        return _ISOLATION
+
+
+def _probe_pid_namespace() -> list[str]:
+    unshare = shutil.which("unshare")  # an absolute path: the child's PATH is not ours
+    if unshare is None:
+        return []
+    # sh is the namespace's PID 1 and Python its child: PID 1 ignores signals sent from inside its own
+    # namespace, which would make os.kill(os.getpid(), SIGKILL) in the snippet a silent no-op. (Not
+    # `exec`ing, sh reports a signal death as exit code 128 + N; _run_sandboxed maps it back.)
+    base = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", "-c", '"$@"; exit $?', "sh"]
+    for prefix in (base, [unshare, "--user", "--map-root-user", *base[1:]]):
+        try:
+            if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return []
 
 
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> dict:
     # Two throw-away directories: the snippet's cwd/HOME (holds only snippet.py),
     # and a separate one for its captured output, so `shutil.rmtree(".")` or
     # clever file games in the cwd cannot touch our copy of stdout/stderr.
+    isolation = pid_namespace_prefix()
     with tempfile.TemporaryDirectory(prefix="flowgrpo_run_", ignore_cleanup_errors=True) as workdir, \
             tempfile.TemporaryDirectory(prefix="flowgrpo_out_", ignore_cleanup_errors=True) as outdir:
         script = os.path.join(workdir, "snippet.py")
@@ -807,7 +831,7 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars
                 #     `json.py` in the cwd cannot shadow the stdlib);
                 # -u: unbuffered, so what was printed before a timeout kill is kept;
                 # -X utf8: UTF-8 I/O whatever the locale.
-                [*pid_namespace_prefix(), sys.executable, "-I", "-u", "-X", "utf8", script],
+                [*isolation, sys.executable, "-I", "-u", "-X", "utf8", script],
                 cwd=workdir,
                 env=_sandbox_env(workdir),
                 stdin=subprocess.DEVNULL,  # input() gets EOF at once instead of hanging
@@ -819,8 +843,8 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars
             )
             timed_out = _wait_then_kill_group(proc, timeout_s)
         returncode = proc.returncode
-        if pid_namespace_prefix() and returncode > 128:  # sh's way of saying "killed by signal N"
-            returncode = 128 - returncode
+        if isolation and 128 < returncode <= 128 + 64:  # sh's way of saying "killed by signal N" (a snippet's
+            returncode = 128 - returncode             # own sys.exit(129..192) reads the same: rare)
         output_overflow = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= SANDBOX_MAX_FILE_BYTES
         stdout = _read_head(out_path, max_output_chars)
         stderr = _read_tail(err_path, max_output_chars)
@@ -1787,14 +1811,16 @@ def strip_latex(text: str) -> str:
     and operators stay: '(-1, 2)' and '(1, 2)' must remain different."""
     t = text.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     t = re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", t)
-    t = re.sub(r"\$|\\left|\\right|\\[!,;: ]|\s", "", t)
+    t = re.sub(r"\$|\\(?:left|right)(?![a-zA-Z])|\\[!,;: ]|\s", "", t)  # not \leftarrow
     return t.rstrip(".")
 
 
 def to_number(text: str) -> Optional[Fraction]:
     """Parse '1,234', '-3.5', '2/3', '-\\frac{2}{3}', '$12$', '50\\%', '12 \\text{cm}' as an exact Fraction;
     None if it is not one number. Thousands separators only in their proper place: '1,2' is not twelve."""
-    t = re.sub(r"\\(?:text|mathrm)\{[^{}]*\}", "", text)  # units: '12 \text{cm}' -> '12'
+    t = re.sub(r"\s*\\(?:text|mathrm)\{\s*[a-zA-Z]*\s*\}\s*$", "", text.strip())  # a trailing unit only
+    if re.search(r"\d(\s|\\[ ,;:!]|\\text)+\d", t) and not re.fullmatch(r"-?\d{1,3}([ ,]\d{3})+", t.strip()):
+        return None  # '1 2' or '5 \text{ or } 6' is not the number 12 or 56
     t = strip_latex(t).replace("\\%", "").rstrip("%")
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", t):
         t = t.replace(",", "")
@@ -1803,7 +1829,8 @@ def to_number(text: str) -> Optional[Fraction]:
         if frac:
             sign = -1 if frac.group(1) else 1
             return sign * Fraction(frac.group(2)) / Fraction(frac.group(3))
-        return Fraction(t) if re.fullmatch(r"-?(\d+\.?\d*|\.\d+)([eE]-?\d+)?", t) else None
+        # the exponent is capped: Fraction("1e100000000") would build a 100-million-digit integer
+        return Fraction(t) if re.fullmatch(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?", t) else None
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -1814,8 +1841,9 @@ def normalize_text(text: str) -> str:
     return " ".join(w for w in t.split() if w not in {"a", "an", "the"})
 
 
-# Characters that make an answer "math": text normalisation would erase them and turn -5 into 5.
-MATH_CHARS = re.compile(r"[\\^<>=()\[\]{}+*/!|√∞π-]")
+# What makes an answer "math": text normalisation would erase it and turn -5 into 5. A hyphen counts only
+# as a minus sign (at the start or after a space, bracket or operator), so 'Catch-22' stays text.
+MATH_CHARS = re.compile(r"[\\^<>=()\[\]{}+*/!|√∞π]|(^|[\s(\[{,=+*/])-")
 
 
 def answers_match(pred: str, gold: str) -> bool:
@@ -1824,7 +1852,7 @@ def answers_match(pred: str, gold: str) -> bool:
     if pred_num is not None and gold_num is not None:
         return pred_num == gold_num  # exact: 1048575 is not 1048576, 0.5 is 1/2
     if MATH_CHARS.search(pred) or MATH_CHARS.search(gold):
-        return strip_latex(pred).lower() == strip_latex(gold).lower() != ""
+        return strip_latex(pred) == strip_latex(gold) != ""  # case kept: \Sigma is not \sigma
     return normalize_text(pred) == normalize_text(gold) != ""
 
 
@@ -1832,8 +1860,11 @@ def rule_reward(answer: str, ground_truth: str) -> float:
     """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0.
     Whole answers only, so there are no substring traps: '1444' does not match '144', 'Paris, Texas' does
     not match 'Paris', '(-1, 2)' does not match '(1, 2)'."""
-    pred = re.sub(r"^\s*[a-zA-Z]\s*=\s*", "", extract_answer(answer))  # 'x = 5' -> '5'
-    golds = [g.strip() for g in str(ground_truth).split("; ") if g.strip()]
+    def drop_lhs(a: str) -> str:  # 'x = 5' -> '5', on both sides so 'y=2x+1' still matches 'y = 2x+1'
+        return re.sub(r"^\s*[a-zA-Z]\s*=\s*", "", a)
+
+    pred = drop_lhs(extract_answer(answer))
+    golds = [drop_lhs(g.strip()) for g in str(ground_truth).split("; ") if g.strip()]
     return float(any(answers_match(pred, gold) for gold in golds))
 
 
@@ -2263,8 +2294,6 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data:
                 "data": dataclasses.asdict(data), "rng": rng}, tmp / "trainer_state.pt")
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     if final.exists():
-        import shutil
-
         shutil.rmtree(final)
     tmp.rename(final)
     return final

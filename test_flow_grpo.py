@@ -503,11 +503,15 @@ def test_sandbox_cannot_read_the_trainers_original_environment():
     hunt = ("import glob, os\nfound = []\nfor p in glob.glob('/proc/*/environ'):\n    try:\n"
             "        found += [p] if b'hunter2' in open(p, 'rb').read() else []\n    except OSError:\n        pass\n"
             "print('ppid', os.getppid(), 'found', found)")
-    trainer = f"import flow_grpo, json\nprint(json.dumps(flow_grpo.run_python({hunt!r})))"
+    # 8 concurrent FIRST calls, as the tool pool makes them: none may run before isolation is settled
+    trainer = ("import flow_grpo, json\nfrom concurrent.futures import ThreadPoolExecutor\n"
+               f"with ThreadPoolExecutor(8) as pool:\n    results = list(pool.map(flow_grpo.run_python, [{hunt!r}] * 8))\n"
+               "print(json.dumps(results))")
     out = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={**os.environ, "FLOW_GRPO_TEST_SECRET": "hunter2-do-not-leak"})
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["error"] is None and "found []" in result["stdout"], result
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == 8
+    assert all(r["error"] is None and "found []" in r["stdout"] for r in results), results
 
 
 def test_setsid_child_dies_with_the_sandbox(tmp_path):
@@ -1219,6 +1223,28 @@ def test_local_engine_batches_concurrent_calls(tiny):
     assert shared.generate_calls < len(prompts)  # at least some calls were served together
 
 
+def test_local_engine_one_bad_request_fails_only_its_caller(tiny):
+    model, tok = tiny
+
+    class Poisoned(fg.LocalEngine):
+        def _generate(self, prompts, max_tokens):
+            if any("POISON" in p for p in prompts):
+                raise RuntimeError("bad prompt")
+            return super()._generate(prompts, max_tokens)
+
+    engine = Poisoned(model, tok, max_tokens=4)
+
+    def call(prompt):
+        try:
+            return engine.ask(prompt)
+        except RuntimeError as e:
+            return f"raised: {e}"
+
+    with ThreadPoolExecutor(6) as pool:
+        out = list(pool.map(call, ["a", "POISON", "b", "c", "d", "e"]))
+    assert out[1] == "raised: bad prompt" and not any(o.startswith("raised") for i, o in enumerate(out) if i != 1)
+
+
 # ------------------------------------------------------------------------------------- the solver
 
 
@@ -1430,6 +1456,13 @@ def test_actions_end_at_the_first_stop_token_and_prompts_are_unpadded(tiny):
     ("<answer>12.0</answer>", "12", 1.0),
     ("<ANSWER>7", "7", 1.0),  # tags are case-insensitive, closed or not
     ("<answer>March 3, 1945</answer>", "march 3 1945", 1.0),
+    ("<answer>5 \\text{ or } 6</answer>", "56", 0.0),  # digits glued through text or spaces are not one number
+    ("<answer>1 2</answer>", "12", 0.0),
+    ("<answer>1e100000000</answer>", "1", 0.0),  # and a huge exponent is refused, not computed
+    ("<answer>\\boxed{y=2x+1}</answer>", "y = 2x+1", 1.0),  # 'y =' dropped on both sides
+    ("<answer>\\leftarrow</answer>", "\\rightarrow", 0.0),
+    ("<answer>\\Sigma</answer>", "\\sigma", 0.0),
+    ("<answer>Catch-22</answer>", "Catch 22", 1.0),  # a hyphen inside a name is text, not a minus sign
 ])
 def test_rule_reward_table(answer, truth, expected):
     assert fg.rule_reward(answer, truth) == expected
