@@ -143,7 +143,7 @@ class Config:
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float = 0.3  # ratio clipped above at 1 + clip_high (asymmetric, "clip-higher")
     kl_coef: float = 0.001  # beta: weight of the k3 KL to the base model
-    old_logprobs: str = "recompute"  # pi_old: 'recompute' (one no-grad pass before updating) or 'captured'
+    old_logprobs: str = "recompute"  # pi_old: 'recompute' (by the update's own code) or 'captured' (the sampler's)
     ppo_epochs: int = 1  # passes over each rollout batch
     num_minibatches: int = 1  # optimizer steps per pass (the batch is split by trajectory)
     micro_batch_size: int = 4  # turn rows per forward/backward (gradient accumulation inside a minibatch)
@@ -2209,8 +2209,9 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
                                temperature=cfg.temperature)
         logp_BT, mask_BT = pad_right(logp)
         dev = logp_BT.device
-        old_BT, _ = pad_right([r.old_logp.to(dev) for r in chunk])
-        ref_BT, _ = pad_right([r.ref_logp.to(dev) for r in chunk])
+        # None means "this forward is pi_old / no KL term" (see train_step): detached copies give ratio 1, KL 0
+        old_BT = pad_right([r.old_logp.to(dev) for r in chunk])[0] if chunk[0].old_logp is not None else logp_BT.detach()
+        ref_BT = pad_right([r.ref_logp.to(dev) for r in chunk])[0] if chunk[0].ref_logp is not None else logp_BT.detach()
         adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
         w_BT = weights_all[i:i + len(chunk), :mask_BT.shape[1]].to(dev)
         loss, st = grpo_loss(logp_BT, old_BT, ref_BT, adv_B, mask_BT, clip_low=cfg.clip_low,
@@ -2223,6 +2224,26 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
             sums[k] += st[k] * st["tokens"]
         sums["tokens"] += st["tokens"]
     return total, {k: sums[k] / max(1, sums["tokens"]) for k in ("clip_frac", "kl", "ratio_mean")}
+
+
+def fill_old_and_ref(model, rows: list[Row], cfg: Config) -> None:
+    """pi_old and pi_ref for every row, with no forward pass that the update does not need.
+
+    pi_old. 'captured': the sampler's own log-probs. 'recompute': the update's own code computes them, so the
+    first ratio is 1 up to float noise. With ONE pass over the batch (ppo_epochs == num_minibatches == 1)
+    every forward of the update runs before the optimizer step, so it IS pi_old: old_logp stays None and the
+    update detaches its own log-probs, saving a whole forward pass. Otherwise a no-grad pass runs first (with
+    num_minibatches > 1 the update pads rows in other groups; in bf16 that moves ratios by ~1e-3, far inside
+    the clip range). pi_ref (adapter off) is needed only for a KL term.
+    """
+    if cfg.old_logprobs == "captured":
+        for r in rows:
+            r.old_logp = r.behaviour_logp
+    elif cfg.ppo_epochs > 1 or cfg.num_minibatches > 1:
+        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size, attr="old_logp")
+    if cfg.kl_coef > 0:
+        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+                      attr="ref_logp", base=True)
 
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
@@ -2360,16 +2381,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     rollout_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    # pi_old. 'recompute': a no-grad pass with the very code the update uses, so the first ratio is 1 up to
-    # float noise (with num_minibatches > 1 the update pads rows in other groups; in bf16 that moves ratios by
-    # ~1e-3, far inside the clip range). 'captured': the sampler's own log-probs, no extra pass.
-    if cfg.old_logprobs == "recompute":
-        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size, attr="old_logp")
-    else:
-        for r in rows:
-            r.old_logp = r.behaviour_logp
-    fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
-                  attr="ref_logp", base=True)
+    fill_old_and_ref(model, rows, cfg)
     lr = scheduler.get_last_lr()[0]  # the learning rate of this step's updates
     upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
@@ -2668,9 +2680,7 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
                                                        [i // group for i in range(len(states))]), group)
             optimizer, _ = make_optimizer(model, cfg)
             t1 = time.perf_counter()
-            fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size, attr="old_logp")
-            fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
-                          attr="ref_logp", base=True)
+            fill_old_and_ref(model, rows, cfg)
             update_policy(model, optimizer, rows, cfg, step=1)
             report[mode]["update"] = time.perf_counter() - t1
     speedup = report["sequential"]["seconds"] / report["lockstep"]["seconds"]

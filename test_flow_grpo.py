@@ -1586,6 +1586,30 @@ def test_ratio_is_one_before_the_first_update(tiny):
     model.zero_grad()
 
 
+def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
+    """With ppo_epochs == num_minibatches == 1 the trainer skips the pi_old pass (old_logp=None: the update's
+    own detached log-probs) and the ref pass when kl_coef == 0. Same loss and gradient as computing them."""
+    model, tok = tiny
+    torch.manual_seed(4)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["a", "bb", "ccc"]), max_new_tokens=8, temperature=1.0)
+    for kl_coef in (0.0, 0.1):
+        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2, kl_coef=kl_coef)
+        results = []
+        for explicit in (True, False):
+            rows = make_rows(samples, [1.0, -0.5, 0.25], group=3)
+            if explicit:
+                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="old_logp")
+            if explicit or kl_coef > 0:
+                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="ref_logp", base=True)
+            model.zero_grad()
+            loss, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
+            results.append((loss, stats, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])))
+        model.zero_grad()
+        (l1, s1, g1), (l2, s2, g2) = results
+        assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-7) and s2["ratio_mean"] == 1.0
+        assert g1.abs().sum() > 0 and torch.allclose(g1, g2, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("agg", fg.AGGREGATIONS)
 def test_gradient_accumulation_equals_one_big_batch(tiny, agg):
     model, tok = tiny
