@@ -391,6 +391,24 @@ def adapter_disabled(model):
         yield
 
 
+# The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
+TINY_CORPUS = """You are the planner of a problem-solving agent. Choose the single best next step. Question: What is
+the value of the expression? Query analysis: the question asks for an exact number; a tool can compute it.
+Available tools: Python_Coder_Tool writes a short Python program, runs it in a sandbox and returns its output.
+Generalist_Solution_Generator_Tool answers a question or sub-task by step-by-step reasoning.
+Wikipedia_RAG_Search_Tool searches English Wikipedia. Web_RAG_Search_Tool reads the web page at a given URL.
+Memory of previous steps: (no steps yet) Step 1: {"tool_name": "Python_Coder_Tool", "sub_goal": "compute the
+product", "command": {"arguments": {"query": "print(37 * 91)"}}, "result": {"stdout": "3367", "error": null}}
+Reply with exactly one JSON object and nothing else. Its fields: "justification" (string), "context" (string),
+"sub_goal" (string), "tool_name" (string), "concise_summary", "required_skills", "relevant_tools",
+"additional_considerations", "analysis", "stop_signal": true, false. Input: query (string, required).
+Limitations: no internet, files or user input. Tips: state the task precisely with all inputs.
+You are the executor. Turn the planner's step into one call of the tool. You are the verifier. Decide whether
+the memory holds enough verified information to answer the question correctly. Answer the question using the
+steps below. Reason briefly, then give only the final answer inside <answer></answer>, e.g. <answer>144</answer>.
+Arithmetic: 37*91=3367, 12^2=144, 2**10=1024, 1/2=0.5, 3.14, -1, 0123456789, (x=5), [1, 2], {25}.
+"""
+
 # ChatML, the template of Qwen's instruct models, so the tiny model sees prompts shaped like the real one's.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -400,9 +418,9 @@ def build_tiny_model(seed: int = 0):
     """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer built in memory.
 
     No download: this is what the smoke preset and the tests run on. The tokenizer starts from the 256
-    bytes (so it encodes and decodes any text) and learns 2,048 - 256 merges from this very file, which holds
-    every prompt and tool description the agent uses: prompts then compress about 3x, as they would with a
-    real tokenizer, instead of costing one token per character. Outputs are noise - the point is that every
+    bytes (so it encodes and decodes any text) and learns its merges from TINY_CORPUS, a fixed text in the
+    agent's vocabulary: prompts then compress about as they would with a real tokenizer, and editing this
+    file's comments cannot change a test or a README figure. Outputs are noise - the point is that every
     code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -412,9 +430,9 @@ def build_tiny_model(seed: int = 0):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    core.train_from_iterator([Path(__file__).read_text()], trainer=trainers.BpeTrainer(
+    core.train_from_iterator([TINY_CORPUS] * 4, trainer=trainers.BpeTrainer(
         vocab_size=2048, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))  # deterministic: the same file gives the same merges
+        show_progress=False))  # deterministic: the same text gives the same merges
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=specials[1:])
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
@@ -2492,14 +2510,14 @@ def digit_share(text: str) -> float:
 
 
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
-                       lr: float = 5e-2, show: Optional[Callable[[int, float], None]] = None) -> list[float]:
+                       lr: float = 2e-2, show: Optional[Callable[[int, float], None]] = None) -> list[float]:
     """Train the tiny model on a single-turn toy task and return the mean reward per step.
 
-    The task: answer with digits (reward = digit_share of the action). A random byte-level model starts
-    near 10/259 ~ 4%. Sampling, advantages, loss and update are the trainer's own functions
-    (sample_actions, group_advantages, fill_logprobs, update_policy), so a rising curve means the whole
-    update path has the right sign and scale - this is the learning test and the README's curve.
-    The tiny tokenizer has 2,048 tokens, so a random model starts near 1% digits.
+    The task: answer with digits (reward = digit_share of the action); a random model starts near 4%.
+    Sampling, advantages, loss and update are the trainer's own functions (sample_actions, group_advantages,
+    fill_logprobs, update_policy), so a rising curve means the whole update path has the right sign and
+    scale - this is the learning test and the README's curve. (At lr 5e-2 a seed that reached 1.00 could
+    fall back: once all advantages are 0, the tiny KL gradient alone is scaled up to full-size Adam steps.)
     """
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
