@@ -344,19 +344,16 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
 class OpenAIEngine(Engine):
     """Any OpenAI-compatible chat endpoint: vLLM (`vllm serve MODEL`), llama.cpp's servers, or OpenAI itself.
 
-    Structured output, best first (STRUCTURED_MODES): a `json_schema` response_format, which the server
-    decodes under; where a server refuses that with an error of ANY status whose message names
-    response_format/json_schema/json_object (vLLM 400, others 422, llama-cpp-python 500 "Input should be
-    'text' or 'json_object'"), the engine steps down, once and for all of its threads, to `json_object`
-    with the schema inside it (both llama.cpp servers decode under it; others give plain JSON), then to
-    prompt-only. The schema is in the prompt in every mode (Engine.generate). A refusal costs no retry.
-
-    Robust: every request runs in a daemon thread (at most `workers` at once), with a per-request timeout
-    and retries with backoff on connection errors, 429s and 5xx - but not on a timeout (a server that did
-    not answer in timeout_s will not answer faster the second time). A batch is waited for at most
-    phase_timeout_s, so a hung server can slow a phase but never stall a run or block exit. A request that
-    still fails - an error, a timeout, a malformed 200 - gives "" (None for a schema) and is counted in
-    `failures`: one flaky call must not end a training run. The API key stays inside the client.
+    Structured output (STRUCTURED_MODES, best first): a json_schema response_format, which the server decodes
+    under. A server that refuses it - any status whose body names response_format/json_schema/json_object:
+    vLLM 400, FastAPI 422, llama-cpp-python 500 "Input should be 'text' or 'json_object'" - moves the engine,
+    once for all its threads and at no retry, to json_object with the schema inside (llama.cpp's servers
+    decode under it), then to prompt-only. The schema is in the prompt in every mode (Engine.generate).
+    Robust: each request runs in a daemon thread (at most `workers` at once) with a timeout, retried with
+    backoff on connection errors, 429s and 5xx but not on a timeout (a server silent for timeout_s will not
+    be faster next time); a batch waits at most phase_timeout_s. A request that fails anyway - an error, a
+    timeout, a malformed 200 - gives "" (None for a schema) and is counted in `failures`: one flaky call
+    must not end a training run. The API key stays inside the client.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
@@ -401,9 +398,12 @@ class OpenAIEngine(Engine):
                 return text if isinstance(text, str) else self._failed("no text", "a reply without text")
             except openai.APIStatusError as e:  # str(e) may be just "Error code: 500": the body says why
                 if mode != "prompt" and re.search(r"response_format|json_schema|json_object", e.response.text, re.I):
-                    self._lower(mode, f"{mode} refused with HTTP {e.status_code}")
+                    with self._lock:
+                        if self.mode == mode:  # many threads may meet the same refusal: step down once per mode
+                            self.mode = STRUCTURED_MODES[STRUCTURED_MODES.index(mode) + 1]
+                            self.refusal = f"{mode} refused with HTTP {e.status_code}"
                     continue
-                retry, kind, error = e.status_code == 429 or e.status_code >= 500, f"HTTP {e.status_code}", e.response.text
+                retry, kind, error = e.status_code in (429, 500, 502, 503, 504), f"HTTP {e.status_code}", e.response.text
             except openai.APIConnectionError as e:  # APITimeoutError is one too, and is not retried
                 retry, kind, error = not isinstance(e, openai.APITimeoutError), type(e).__name__, str(e)
             except Exception as e:  # a 200 that is no chat completion: garbage, HTML, {"choices": []}, ...
@@ -412,11 +412,6 @@ class OpenAIEngine(Engine):
                 return self._failed(kind, f"{kind} (try {attempt + 1}, giving up): {error}")
             time.sleep(self.backoff_s * 2 ** attempt * (1 + 0.25 * random.random()))  # jitter: no herds
             attempt += 1
-
-    def _lower(self, mode: str, reason: str) -> None:
-        with self._lock:
-            if self.mode == mode:  # many threads may meet the same refusal: step down once per mode
-                self.mode, self.refusal = STRUCTURED_MODES[STRUCTURED_MODES.index(mode) + 1], reason
 
     def _failed(self, kind: str, what: str) -> None:
         """Log the first failure of each kind (all are counted: engine_failures in metrics.jsonl); give None."""
@@ -2464,14 +2459,14 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
 
 class GracefulInterrupt:
     """First Ctrl-C: finish the current step, save a checkpoint, stop. Second Ctrl-C: stop at once.
-    (Stopping mid-update would save an adapter that is half a step ahead of its optimizer and RNG.)"""
+    (Stopping mid-update would save an adapter that is half a step ahead of its optimizer and RNG.)
+    "At once" is os._exit: no waiting for in-flight requests or tools, and no interpreter teardown (seconds of
+    garbage collection with torch loaded). Nothing saved is lost: the logs are flushed after every step and a
+    checkpoint appears only complete (save_checkpoint renames it into place)."""
 
-    def __init__(self):
-        self.requested = False
+    requested = False
 
     def __enter__(self):
-        import signal
-
         self._old = signal.getsignal(signal.SIGINT)
         try:
             signal.signal(signal.SIGINT, self._handler)
@@ -2480,18 +2475,15 @@ class GracefulInterrupt:
         return self
 
     def _handler(self, signum, frame):
-        if self.requested:  # in-flight remote requests and tools run in daemon threads: nothing to wait for
+        if self.requested:
             log("\nsecond Ctrl-C: stopping now; this step is not saved")
-            raise SystemExit(130)
+            os._exit(130)  # 128 + SIGINT, the shell's code for "stopped by Ctrl-C"
         self.requested = True
         log("\nCtrl-C: finishing this step, then saving a checkpoint (press again to stop now, unsaved)")
 
     def __exit__(self, *exc):
-        import signal
-
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
-        return False
 
 
 def train(cfg: Config) -> Path:
@@ -2652,21 +2644,21 @@ def _slow_openai_server(delay_s: float):
     like a remote model would. Returns (base_url, server); call server.shutdown() when done."""
     import http.server
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):  # keep the benchmark's output clean
-            pass
+    body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]}).encode()
 
+    class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             time.sleep(delay_s)
-            body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in",
-                               "choices": [{"index": 0, "finish_reason": "stop",
-                                            "message": {"role": "assistant", "content": "ok"}}]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def log_message(self, *args):  # keep the benchmark's output clean
+            pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

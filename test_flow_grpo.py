@@ -1811,11 +1811,15 @@ def test_cli_smoke_ask_prints_the_trajectory():
 
 # ==== remote: a remote engine that survives malformed replies, refusals of json_schema and hung servers ====
 
-# llama-cpp-python's server validates response_format.type against 'text' | 'json_object' and reports the
-# failed validation as an HTTP 500 (its catch-all error handler), exactly like this:
-LLAMACPP_500 = error(500, "[{'type': 'literal_error', 'loc': ('body', 'response_format', 'type'), 'msg': \"Input "
-                          "should be 'text' or 'json_object'\", 'input': 'json_schema', 'ctx': {'expected': \"'text' "
-                          "or 'json_object'\"}}]")
+# llama-cpp-python 0.3.36's server (`python -m llama_cpp.server`) validates response_format.type against
+# 'text' | 'json_object' and reports the failed validation through its catch-all handler as HTTP 500; this body
+# is what it sent to a json_schema request (captured from the real server; only the install path shortened):
+LLAMACPP_500 = (500, {"error": {"message": "1 validation error:\n  {'type': 'literal_error', 'loc': ('body', "
+                                          "'response_format', 'type'), 'msg': \"Input should be 'text' or 'json_object'\", "
+                                          "'input': 'json_schema', 'ctx': {'expected': \"'text' or 'json_object'\"}}\n\n"
+                                          "  File \"/venv/lib/python3.11/site-packages/llama_cpp/server/app.py\", line "
+                                          "376, in create_chat_completion\n    POST /v1/chat/completions",
+                                "type": "internal_server_error", "param": None, "code": None}})
 FASTAPI_422 = (422, {"detail": [{"type": "literal_error", "loc": ["body", "response_format", "type"],
                                  "msg": "Input should be 'text' or 'json_object'", "input": "json_schema"}]})
 VERDICT = '{"analysis": "ok", "stop_signal": true}'
