@@ -401,7 +401,7 @@ class OpenAIEngine(Engine):
                     with self._lock:
                         if self.mode == mode:  # many threads may meet the same refusal: step down once per mode
                             self.mode = STRUCTURED_MODES[STRUCTURED_MODES.index(mode) + 1]
-                            self.refusal = f"{mode} refused with HTTP {e.status_code}"
+                            self.refusal = f"({mode} refused with HTTP {e.status_code})"
                     continue
                 retry, kind, error = e.status_code in (429, 500, 502, 503, 504), f"HTTP {e.status_code}", e.response.text
             except openai.APIConnectionError as e:  # APITimeoutError is one too, and is not retried
@@ -2106,8 +2106,7 @@ def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     if engine.failures:
         raise SystemExit(f"error: the server at {flag} {engine.base_url} did not answer for model {engine.model!r} "
                          f"(see the line above); check the URL, the model name and --api-key-env")
-    log(f"[engine] {flag} {engine.base_url}: structured output by {engine.mode}"
-        + (f" ({engine.refusal})" if engine.refusal else ""))
+    log(f"[engine] {flag} {engine.base_url}: structured output by {engine.mode} {engine.refusal}".rstrip())
     return engine
 
 
@@ -2657,8 +2656,7 @@ def _slow_openai_server(delay_s: float):
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args):  # keep the benchmark's output clean
-            pass
+        log_message = lambda self, *args: None  # keep the benchmark's output clean
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
