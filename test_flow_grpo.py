@@ -1086,91 +1086,85 @@ def test_json_safe_and_memory_truncate():
 # ------------------------------------------------------------------------------------- engines
 
 
-class StubHandler(http.server.BaseHTTPRequestHandler):
-    """An OpenAI-compatible /v1/chat/completions stand-in whose behaviour the test scripts per request."""
-    script: list = []  # items: ("ok", text) | ("status", code) | ("hang", seconds) | ("reject_schema", None)
-    seen: list = []
+def chat(text):
+    """A well-formed chat completion whose message content is `text` (a reply for OpenAIStandIn)."""
+    return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in",
+                 "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
-    def log_message(self, *a):
-        pass
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        body["_auth"] = self.headers.get("Authorization")
-        StubHandler.seen.append(body)
-        kind, arg = StubHandler.script.pop(0) if StubHandler.script else ("ok", "fine")
-        if kind == "hang":
-            time.sleep(arg)
-            kind, arg = "ok", "late"
-        if kind == "reject_schema" and "response_format" in body:
-            return self._send(400, {"error": {"message": "response_format not supported"}})
-        if kind == "too_long":
-            return self._send(400, {"error": {"message": "maximum context length is 8192 tokens"}})
-        if kind == "reject_schema":
-            kind, arg = "ok", '{"analysis": "plain", "stop_signal": false}'
-        if kind == "status":
-            return self._send(arg, {"error": {"message": "boom"}})
-        if kind == "echo":
-            arg = body["messages"][-1]["content"][-20:]
-        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                         "choices": [{"index": 0, "finish_reason": "stop",
-                                      "message": {"role": "assistant", "content": arg}}],
-                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+def error(status, message):
+    return status, {"error": {"message": message, "type": "error", "param": None, "code": None}}
 
-    def _send(self, code, obj):
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+
+class OpenAIStandIn:
+    """THE 127.0.0.1 stand-in for an OpenAI-compatible /v1/chat/completions server (a route for local_server).
+    Each request takes the next reply from `script`, then `default`: (status, body[, content type]) with body
+    a dict (sent as JSON) or str/bytes (sent as is); ("hang", s): answer chat("late") after s seconds; or a
+    function of the request body that returns a reply. `seen` keeps every request body (header as "_auth")."""
+
+    def __init__(self, *script, default=chat("fine")):
+        self.script, self.default, self.seen = list(script), default, []
+
+    def __call__(self, handler):
+        body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+        self.seen.append({**body, "_auth": handler.headers.get("Authorization")})
+        reply = self.script.pop(0) if self.script else self.default
+        reply = reply(body) if callable(reply) else reply
+        if reply[0] == "hang":
+            time.sleep(reply[1])
+            reply = chat("late")
+        status, payload, *ctype = reply
+        send(handler, status, payload if isinstance(payload, (str, bytes)) else json.dumps(payload),
+             *(ctype or ["application/json"]))
 
 
 @pytest.fixture()
-def openai_stub():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    StubHandler.script, StubHandler.seen = [], []
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
+def standin():
+    """An OpenAIStandIn serving at standin.url; tests set its script/default."""
+    server = OpenAIStandIn()
+    with local_server(server) as base:
+        server.url = base + "/v1"
+        yield server
 
 
-def test_openai_engine_retries_a_500_then_succeeds(openai_stub, monkeypatch):
+def test_openai_engine_retries_a_500_then_succeeds(standin, monkeypatch):
     monkeypatch.setenv("FLOW_TEST_KEY", "sk-secret-123")
-    StubHandler.script = [("status", 500), ("ok", "hello")]
-    eng = fg.OpenAIEngine(openai_stub, "m", api_key_env="FLOW_TEST_KEY", backoff_s=0.01)
-    assert eng.ask("hi") == "hello" and len(StubHandler.seen) == 2 and eng.failures == 0
-    assert StubHandler.seen[0]["_auth"] == "Bearer sk-secret-123"  # the key is read from the named variable
+    standin.script = [error(500, "boom"), chat("hello")]
+    eng = fg.OpenAIEngine(standin.url, "m", api_key_env="FLOW_TEST_KEY", backoff_s=0.01)
+    assert eng.ask("hi") == "hello" and len(standin.seen) == 2 and eng.failures == 0
+    assert standin.seen[0]["_auth"] == "Bearer sk-secret-123"  # the key is read from the named variable
     assert "sk-secret" not in repr(eng) and "sk-secret" not in repr(vars(eng))  # and kept out of sight
 
 
-def test_openai_engine_hang_times_out(openai_stub):
-    StubHandler.script = [("hang", 5)] * 3
-    eng = fg.OpenAIEngine(openai_stub, "m", timeout_s=0.5, max_retries=1, backoff_s=0.01)
+def test_openai_engine_hang_times_out_without_retrying(standin):
+    standin.script = [("hang", 5)] * 3
+    eng = fg.OpenAIEngine(standin.url, "m", timeout_s=0.5, max_retries=3, backoff_s=0.01)
     t0 = time.perf_counter()
     assert eng.ask("hi") == "" and eng.failures == 1
-    assert time.perf_counter() - t0 < 3.0
+    assert time.perf_counter() - t0 < 3.0 and len(standin.seen) == 1  # a timeout is not tried again
 
 
-def test_openai_engine_structured_output_and_fallback(openai_stub):
-    StubHandler.script = [("ok", '{"analysis": "ok", "stop_signal": true}')]
-    eng = fg.OpenAIEngine(openai_stub, "m")
+def test_openai_engine_structured_output_and_fallback(standin):
+    standin.script = [chat('{"analysis": "ok", "stop_signal": true}')]
+    eng = fg.OpenAIEngine(standin.url, "m")
     v = eng.ask("verify", schema=fg.Verification)
     assert v == fg.Verification(analysis="ok", stop_signal=True)
-    assert StubHandler.seen[0]["response_format"]["json_schema"]["schema"]["required"] == ["analysis", "stop_signal"]
-    # a server without structured output: rejected once, then plain prompts (the schema is in the text)
-    StubHandler.script, StubHandler.seen = [("reject_schema", None), ("reject_schema", None)], []
-    eng = fg.OpenAIEngine(openai_stub, "m")
-    assert eng.ask("verify", schema=fg.Verification).analysis == "plain"
-    assert "response_format" not in StubHandler.seen[-1] and not eng.json_schema_supported
-    assert '"stop_signal"' in StubHandler.seen[-1]["messages"][0]["content"]
+    assert standin.seen[0]["response_format"]["json_schema"]["schema"]["required"] == ["analysis", "stop_signal"]
+    # a server without any structured output: json_schema, then json_object refused, then plain prompts
+    standin.seen, standin.default = [], lambda body: (error(400, "response_format is not supported") if
+                                                     "response_format" in body else chat('{"analysis": "plain", "stop_signal": false}'))
+    eng = fg.OpenAIEngine(standin.url, "m")
+    assert eng.ask("verify", schema=fg.Verification).analysis == "plain" and eng.failures == 0
+    assert [b.get("response_format", {}).get("type") for b in standin.seen] == ["json_schema", "json_object", None]
+    assert eng.mode == "prompt" and '"stop_signal"' in standin.seen[-1]["messages"][0]["content"]
 
 
-def test_openai_engine_other_400s_keep_structured_output(openai_stub):
-    StubHandler.script = [("too_long", None)]
-    eng = fg.OpenAIEngine(openai_stub, "m")
+def test_openai_engine_other_400s_keep_structured_output(standin):
+    standin.script = [error(400, "maximum context length is 8192 tokens")]
+    eng = fg.OpenAIEngine(standin.url, "m")
     assert eng.ask("verify", schema=fg.Verification) is None and eng.failures == 1
-    assert eng.json_schema_supported  # a context-length error says nothing about response_format
+    assert eng.mode == "json_schema"  # a context-length error says nothing about response_format
 
 
 def test_a_dead_remote_engine_is_one_line_at_start():
@@ -1182,9 +1176,9 @@ def test_a_dead_remote_engine_is_one_line_at_start():
         fg.checked(fg.OpenAIEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
 
 
-def test_openai_engine_batches_concurrently(openai_stub):
-    StubHandler.script = [("hang", 0.3)] * 8
-    eng = fg.OpenAIEngine(openai_stub, "m", workers=8)
+def test_openai_engine_batches_concurrently(standin):
+    standin.default = ("hang", 0.3)
+    eng = fg.OpenAIEngine(standin.url, "m", workers=8)
     t0 = time.perf_counter()
     assert eng.generate([f"p{i}" for i in range(8)]) == ["late"] * 8
     assert time.perf_counter() - t0 < 1.5  # one after another would take 2.4 s
@@ -1813,3 +1807,113 @@ def test_cli_smoke_ask_prints_the_trajectory():
                  "VERIFIER:", "FINAL: <answer>", "ANSWER:"):
         assert part in out.stdout, part
     assert time.perf_counter() - t0 < 60
+
+
+# ==== remote: a remote engine that survives malformed replies, refusals of json_schema and hung servers ====
+
+# llama-cpp-python 0.3.36's server (`python -m llama_cpp.server`) validates response_format.type against
+# 'text' | 'json_object' and reports the failed validation through its catch-all handler as HTTP 500; this body
+# is what it sent to a json_schema request (captured from the real server; only the install path shortened):
+LLAMACPP_500 = (500, {"error": {"message": "1 validation error:\n  {'type': 'literal_error', 'loc': ('body', "
+                                          "'response_format', 'type'), 'msg': \"Input should be 'text' or 'json_object'\", "
+                                          "'input': 'json_schema', 'ctx': {'expected': \"'text' or 'json_object'\"}}\n\n"
+                                          "  File \"/venv/lib/python3.11/site-packages/llama_cpp/server/app.py\", line "
+                                          "376, in create_chat_completion\n    POST /v1/chat/completions",
+                                "type": "internal_server_error", "param": None, "code": None}})
+FASTAPI_422 = (422, {"detail": [{"type": "literal_error", "loc": ["body", "response_format", "type"],
+                                 "msg": "Input should be 'text' or 'json_object'", "input": "json_schema"}]})
+VERDICT = '{"analysis": "ok", "stop_signal": true}'
+
+
+def refusing_json_schema(refusal):
+    """A server that answers `refusal` to a json_schema response_format and VERDICT to anything else."""
+    return lambda body: refusal if body.get("response_format", {}).get("type") == "json_schema" else chat(VERDICT)
+
+
+@pytest.mark.parametrize("reply", [
+    (200, {"choices": []}), (200, "{not json at all"), (200, {"foo": 1}),
+    (200, "<html><body>502 Bad Gateway</body></html>", "text/html"), chat(None)],
+    ids=["no-choices", "garbage-json", "foo", "html", "content-none"])
+def test_remote_malformed_reply_is_a_counted_failure(standin, reply):
+    standin.default = reply
+    eng = fg.OpenAIEngine(standin.url, "m", backoff_s=0.01)
+    assert eng.ask("hi") == "" and eng.ask("verify", schema=fg.Verification) is None  # no exception
+    assert (eng.requests, eng.failures) == (2, 2)
+
+
+@pytest.mark.parametrize("refusal", [LLAMACPP_500, FASTAPI_422], ids=["llamacpp-500", "fastapi-422"])
+def test_remote_refused_json_schema_falls_back_to_json_object_once(standin, refusal, capsys):
+    standin.default = refusing_json_schema(refusal)
+    eng = fg.checked(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry would take 5 s
+    assert "--fixed-base-url" in capsys.readouterr().err.splitlines()[-1] and eng.mode == "json_object"
+    formats = [b["response_format"] for b in standin.seen]
+    assert [f["type"] for f in formats] == ["json_schema", "json_object"]  # the refusal cost no retry
+    assert formats[1]["schema"]["required"] == ["analysis", "stop_signal"]  # llama.cpp decodes under it
+    standin.seen = []
+    assert eng.generate(["a", "b"], schema=fg.Verification) == [fg.Verification(analysis="ok", stop_signal=True)] * 2
+    assert [b["response_format"]["type"] for b in standin.seen] == ["json_object"] * 2 and eng.failures == 0
+    # many threads meeting the refusal at once still step down one mode, not two
+    eng, standin.seen = fg.OpenAIEngine(standin.url, "m", backoff_s=5.0, workers=8), []
+    assert all(v is not None for v in eng.generate([f"p{i}" for i in range(8)], schema=fg.Verification))
+    assert eng.mode == "json_object" and eng.failures == 0 and len(standin.seen) <= 16
+
+
+def test_remote_hung_server_is_bounded_at_start_and_per_phase(standin, capsys):
+    standin.default = ("hang", 30)
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit, match="did not answer"):  # --ask against a hung server: one line, soon
+        fg.checked(fg.OpenAIEngine(standin.url, "m", timeout_s=0.5), "--fixed-base-url")
+    assert time.perf_counter() - t0 < 3
+    eng = fg.OpenAIEngine(standin.url, "m", timeout_s=30, phase_timeout_s=0.5)  # the phase deadline comes first
+    t0 = time.perf_counter()
+    assert eng.generate(["a", "b", "c"]) == ["", "", ""] and (eng.requests, eng.failures) == (3, 3)
+    assert time.perf_counter() - t0 < 2
+    slow = fg.run_in_threads(time.sleep, [0.6, 5], threading.Semaphore(2), 1.0, "naps", progress_s=0.2)
+    assert slow == [None, None] and "[wait] naps: 1/2 done" in capsys.readouterr().err  # progress while waiting
+
+
+def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
+    class Stuck(EchoTool):
+        def __call__(self, raw_args):
+            time.sleep(30)
+
+    fixed = RoleEngine()
+    fixed.phase_timeout_s = 0.5
+    t0 = time.perf_counter()
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=fixed, tools={"Echo_Tool": Stuck()},
+                        max_turns=1)[0]
+    assert time.perf_counter() - t0 < 3 and "no result within" in st.turns[0].result["error"]
+
+
+def test_train_counts_remote_failures_and_stops_when_a_whole_step_failed(tmp_path, sample_data, standin):
+    n = iter(range(10**6))
+    standin.script, standin.default = [chat("OK")], lambda body: chat("fine") if next(n) % 2 else (200, {"foo": 1})
+    fg.train(smoke_cfg(tmp_path / "a", sample_data, max_steps=1, fixed_base_url=standin.url, fixed_model="m"))
+    m = json.loads((tmp_path / "a" / "metrics.jsonl").read_text())
+    assert 0 < m["engine_failures"] < m["engine_requests"]  # half failed: counted, and training went on
+    standin.script, standin.default = [chat("OK")], error(401, "invalid API key")  # (a 500 only takes longer)
+    with pytest.raises(SystemExit, match=r"all \d+ remote requests of step 1 failed"):
+        fg.train(smoke_cfg(tmp_path / "b", sample_data, max_steps=3, fixed_base_url=standin.url, fixed_model="m"))
+    m = json.loads((tmp_path / "b" / "metrics.jsonl").read_text())
+    assert m["engine_failures"] == m["engine_requests"] > 0 and fg.latest_checkpoint(tmp_path / "b") is None
+
+
+def test_second_ctrl_c_stops_a_run_stuck_on_a_hung_server(tmp_path, sample_data, standin):
+    standin.script, standin.default = [chat("OK")], ("hang", 120)
+    proc = subprocess.Popen([sys.executable, "flow_grpo.py", "--preset", "smoke", "--fixed-base-url", standin.url,
+                             "--train-file", str(sample_data / "train.parquet"), "--output-dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(standin.seen) < 2:  # the start-up check, then the first rollout's requests: now it hangs
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        assert time.monotonic() - t0 < 5 and proc.returncode == 130 and "second Ctrl-C" in err, err[-2000:]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
