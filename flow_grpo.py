@@ -622,7 +622,7 @@ class Memory:
 #   cgroup (root only)    | children that together exhaust memory or PIDs     | memory + pids limits per run
 
 SANDBOX_MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: caps files AND stdout/stderr (they are files)
-SANDBOX_MAX_PROCESSES = 256  # processes + threads: RLIMIT_NPROC of the sandbox's uid, the cgroup's pids.max
+SANDBOX_MAX_PROCESSES = 256  # processes + threads: the cgroup's pids.max, else RLIMIT_NPROC of its uid
 SANDBOX_TMPFS_MB = 64  # the private tmpfs, the only writable place (cwd = HOME = /tmp); it counts as memory
 _SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.base_prefix, sys.prefix)
 _SANDBOX: Optional[tuple[bool, bool]] = None  # probed once: (use the namespaces?, use cgroups?)
@@ -769,8 +769,8 @@ def sandbox_missing_layers() -> list[str]:
                     if _run_sandboxed(check, 20.0, 256, 99, jail, cgroups)["stdout"] == f"{jail} {cgroups}\n":
                         break
             _SANDBOX = (jail, cgroups)
-            if not (jail and cgroups):  # the README's "The Python sandbox" says what that leaves open
-                log(f"sandbox: this system gives no {'cgroup' if jail else 'namespaces, no cgroup'}")
+            if not (jail and cgroups):
+                log(f"sandbox: no {'cgroup' if jail else 'namespaces, no cgroup'} here (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup"), _SANDBOX) if not ok]
 
 
