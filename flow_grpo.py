@@ -609,8 +609,7 @@ class Memory:
 # -----------------------------------------------------------------------------
 # Sandboxed Python execution
 # -----------------------------------------------------------------------------
-# Model-written code is untrusted: it may loop, allocate 100 GB, fork-bomb, hunt for our API keys, open
-# sockets or delete files. It runs inside these layers; the first call logs one line naming any missing here:
+# Untrusted model code runs inside these layers; the first call logs one line naming any this system lacks.
 #   layer                 | what it stops                                     | how
 #   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
@@ -641,14 +640,13 @@ for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; 
 
 
 def _sandbox_init(code: str, limits: str, status_fd: str) -> None:
-    """The sandbox's first process (`python -I -S -c <this source>`, jailed, unprivileged): it lowers the
-    limits, runs the snippet (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is
-    kept), reaps orphans as PID 1, then writes the wait status, which tells SIGKILL from sys.exit(137)."""
+    """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits,
+    runs the snippet (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
+    reaps orphans as PID 1, then writes the wait status, which tells SIGKILL from sys.exit(137)."""
     import ast, os, pathlib, resource, sys
-    for kind, value in ast.literal_eval(limits).items():
+    for kind, want in ast.literal_eval(limits).items():  # never above what we inherited
         hard = resource.getrlimit(kind)[1]
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(kind, (value, value))
+        resource.setrlimit(kind, (want, want) if hard == resource.RLIM_INFINITY else (min(want, hard),) * 2)
     pathlib.Path("snippet.py").write_text(code, encoding="utf-8")
     if (pid := os.fork()) == 0:  # should the exec fail, the traceback ends this child with status 1
         os.close(int(status_fd))
@@ -658,15 +656,18 @@ def _sandbox_init(code: str, limits: str, status_fd: str) -> None:
     os.write(int(status_fd), str(reaped[1]).encode())
 
 
-def _jail(cgroups: list[str]) -> list[str]:
-    """Command prefix for the namespaces of the table, joined to `cgroups`; tools by absolute path."""
-    unshare, setpriv = (shutil.which(tool) or tool for tool in ("unshare", "setpriv"))  # missing: Popen fails
-    root = os.geteuid() == 0  # namespaces alone would leave real root: then become nobody inside them
-    outer = [unshare] if root else [unshare, "--user", "--map-root-user"]  # else root of a user ns, to mount
-    drop = ["--reuid=65534", "--regid=65534", "--clear-groups"] if root else []  # (the snippet keeps our uid)
+def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
+    """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop."""
+    unshare, setpriv = (shutil.which(tool) or tool for tool in ("unshare", "setpriv"))
+    root = os.geteuid() == 0  # root always becomes nobody, namespaces or not; others keep their uid
+    drop = [setpriv, *(["--reuid=65534", "--regid=65534", "--clear-groups"] if root else []),
+            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+    if not namespaces:
+        return drop if root else []
+    outer = [unshare] if root else [unshare, "--user", "--map-root-user"]  # (we are its root, to mount)
     return [*outer, "--mount", "--net", "--ipc", "/bin/sh", "-c", _JAIL_SETUP, "sh", " ".join(cgroups),
             *_SANDBOX_READ_ONLY, "--", unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--root=.",
-            "--wd=/tmp", setpriv, *drop, "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+            "--wd=/tmp", *drop]
 
 
 def _make_cgroups(memory_mb: int) -> list[str]:
@@ -695,20 +696,19 @@ def _read_capped(fd: int, max_chars: int, head: bool) -> str:
     return f"{text[:max_chars]}\n...{note}" if head else f"{note}...\n{text[-max_chars:]}"
 
 
-def _describe_failure(returncode: int, timed_out: bool, timeout_s: float, overflow: bool,
-                      stderr: str) -> Optional[str]:
-    """One short line for the planner/verifier; None means "ran cleanly"."""
+def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, stderr: str) -> Optional[str]:
+    """One short line for the planner/verifier from the return code rc; None means "ran cleanly"."""
     if timed_out:
         return f"timed out after {float(timeout_s)} s"
-    if overflow:
+    if capped:
         return f"output limit exceeded ({SANDBOX_MAX_FILE_BYTES // 2**20} MB)"
-    if returncode < 0:  # a real signal death, from a wait status (never guessed from an exit code)
-        why = ", likely memory limit" if -returncode == signal.SIGKILL else ""  # SIGXCPU names itself
-        return f"killed by signal {-returncode} ({signal.strsignal(-returncode)}{why})"
-    if returncode == 0:
+    if rc < 0:  # a real signal death, from a wait status (not guessed from an exit code); SIGXCPU says "CPU"
+        hint = ", likely memory limit" if rc == -signal.SIGKILL else ""
+        return f"killed by signal {-rc} ({signal.strsignal(-rc)}{hint})"
+    if rc == 0:
         return None
     lines = stderr.strip().splitlines()  # the last line of a traceback is "ExceptionName: message"
-    return lines[-1].strip()[:500] if lines else f"exited with code {returncode}"
+    return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool,
@@ -717,7 +717,6 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
     made: list[str] = []
     try:
         made = _make_cgroups(memory_mb) if cgroups else []
-        # AS (virtual memory): a 4 GB bytearray is a MemoryError; CPU seconds back up the wall clock
         limits = {resource.RLIMIT_AS: memory_mb << 20, resource.RLIMIT_CPU: math.ceil(timeout_s) + 1,
                   resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0}
         if not made:  # NPROC counts ALL processes of the uid (as root: of every sandbox); pids.max is per run
@@ -726,8 +725,10 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
         init = [sys.executable, "-I", "-S", "-c", source, code, repr(limits)]
         with tempfile.TemporaryDirectory(prefix="flowgrpo_run_", ignore_cleanup_errors=True) as workdir:
             home = "/tmp" if jail else workdir  # in the jail: the tmpfs (the setup's cd); else this directory
+            if not jail and os.geteuid() == 0:
+                os.chown(workdir, 65534, 65534)  # the snippet runs as nobody there
             proc = subprocess.Popen(
-                [*(_jail(made) if jail else []), *init, str(status_fd)], cwd=workdir,
+                [*_jail(jail, made), *init, str(status_fd)], cwd=workdir,
                 env={"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LC_ALL": "C.UTF-8",
                      "OMP_NUM_THREADS": "1"},  # a thread per core would each reserve RLIMIT_AS memory
                 stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, pass_fds=(status_fd,),
@@ -740,8 +741,7 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        status = os.pread(status_fd, 32, 0)  # empty if the init died before the snippet
-        returncode = os.waitstatus_to_exitcode(int(status)) if status else proc.returncode
+        rc = os.waitstatus_to_exitcode(int(s)) if (s := os.pread(status_fd, 32, 0)) else proc.returncode
         overflow = max(os.fstat(out_fd).st_size, os.fstat(err_fd).st_size) >= SANDBOX_MAX_FILE_BYTES
         stdout, stderr = _read_capped(out_fd, max_chars, True), _read_capped(err_fd, max_chars, False)
     finally:
@@ -753,20 +753,20 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
                     os.rmdir(path)
                     break
                 time.sleep(0.01)
-    return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": returncode,
-            "error": _describe_failure(returncode, timed_out, timeout_s, overflow, stderr)}
+    return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": rc,
+            "error": _describe_failure(rc, timed_out, timeout_s, overflow, stderr)}
 
 
 def sandbox_missing_layers() -> list[str]:
-    """Which of "namespaces" (with the privilege drop) and "cgroup" this system cannot give. The first call
-    probes under the lock with a snippet that checks both: all layers, then no cgroup, then neither."""
+    """Which of "namespaces" and "cgroup" this system cannot give. The first call probes under the lock with a
+    snippet that checks both: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
     global _SANDBOX
     with _SANDBOX_LOCK:
         if _SANDBOX is None:
             check = "import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read())"
             for jail, cgroups in ((True, os.geteuid() == 0), (True, False), (False, False)):
                 with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
-                    if _run_sandboxed(check, 20.0, 256, 99, jail, cgroups)["stdout"] == f"{jail} {cgroups}\n":
+                    if _run_sandboxed(check, 10.0, 256, 99, jail, cgroups)["stdout"] == f"{jail} {cgroups}\n":
                         break
             _SANDBOX = (jail, cgroups)
             if not (jail and cgroups):

@@ -814,11 +814,18 @@ def test_a_fork_bomb_is_bounded(hostile_runs, user):
 
 def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, capsys):
     """Without the namespaces (here: an unshare that does not exist) the first call logs ONE line naming
-    what is missing, and every call still runs, with the layers that are left."""
+    what is missing, and every call still runs with the layers that are left. Root's code still runs as uid
+    65534, or not at all: where uid 65534 cannot reach the interpreter (/root/.pyenv), every call says so."""
+    jail = fg._jail
     monkeypatch.setattr(fg, "_SANDBOX", None)
-    monkeypatch.setattr(fg, "_jail", lambda cgroups: ["/nonexistent/unshare"])
-    assert fg.run_python("print(6 * 7)")["stdout"] == "42\n"
-    assert fg.run_python("print(7 * 8)")["stdout"] == "56\n"
+    monkeypatch.setattr(fg, "_jail", lambda ns, cgroups: ["/nonexistent/unshare"] if ns else jail(ns, cgroups))
+    results = [fg.run_python("import os\nprint(os.getuid())") for _ in range(2)]
+    if os.getuid() != 0:
+        assert all(r["stdout"] == f"{os.getuid()}\n" for r in results), results
+    elif any(not p.stat().st_mode & 0o001 for p in Path(sys.base_prefix).parents):
+        assert all("Permission denied" in r["error"] for r in results), results
+    else:
+        assert all(r["stdout"] == "65534\n" for r in results), results
     assert fg.sandbox_missing_layers() == ["namespaces", "cgroup"]
     assert capsys.readouterr().err.splitlines() == ["sandbox: no namespaces, no cgroup here (see the README)"]
 
