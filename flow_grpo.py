@@ -672,271 +672,179 @@ class Memory:
 # -----------------------------------------------------------------------------
 # Sandboxed Python execution
 # -----------------------------------------------------------------------------
-# Model-written code is untrusted: it may loop forever, allocate 100 GB, print
-# gigabytes, fork children, or read our API keys from os.environ. We run it in a
-# separate interpreter with a scrubbed environment, resource limits, a
-# wall-clock timeout and a group-wide SIGKILL at the end. This is a seatbelt,
-# not a jail: the code still runs as our user and can read any file we can.
-# For training at scale, put this behind a container / gVisor / nsjail.
+# Untrusted model code runs inside these layers; the first call logs one line naming any this system lacks.
+#   layer                 | what it stops                                     | how
+#   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
+#   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
+#   output in memfds      | FIFO or path games with our copy of the output    | we read descriptors, not paths
+#   PID namespace         | /proc/<trainer>/environ and mem, signals to us    | unshare --pid --mount-proc
+#   no privileges         | undoing the namespaces (umount /proc), setuid     | setpriv: uid 65534 / user ns
+#   mount namespace       | reading our files, writing outside its own tmpfs  | new root, the system read-only
+#   network namespace     | every network, 127.0.0.1 included                 | unshare --net (lo stays down)
+#   cgroup (root only)    | children that together exhaust memory or PIDs     | memory + pids limits per run
 
 SANDBOX_MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: caps files AND stdout/stderr (they are files)
-SANDBOX_MAX_PROCESSES = 256  # RLIMIT_NPROC: stops fork bombs (see the caveat in _rlimit_setter)
+SANDBOX_MAX_PROCESSES = 256  # processes + threads: the cgroup's pids.max, else RLIMIT_NPROC of its uid
+SANDBOX_TMPFS_MB = 64  # the private tmpfs, the only writable place (cwd = HOME = /tmp); it counts as memory
+_SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.base_prefix, sys.prefix)
+_SANDBOX: Optional[tuple[bool, bool]] = None  # probed once: (use the namespaces?, use cgroups?)
+_SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run while the probe runs
+# As root of the new mount namespace: join the cgroups ($1), make a tmpfs root of the dirs up to "--" (r/o).
+_JAIL_SETUP = f"""set -e; umask 022; for cg in $1; do echo $$ > "$cg/cgroup.procs"; done; shift
+mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox /tmp; cd /tmp
+while [ "$1" != -- ]; do
+  if [ -L "$1" ]; then ln -s "$(readlink "$1")" ".$1"  # /bin -> usr/bin
+  elif [ -d "$1" ] && [ ! -e ".$1" ]; then  # (not inside an earlier one)
+    mkdir -p ".$1"; mount --rbind "$1" ".$1"; mount -o remount,bind,ro,nosuid,nodev ".$1"
+  fi; shift
+done; shift; mkdir proc dev; mkdir -m 1777 tmp dev/shm
+for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; exec "$@"
+"""
 
 
-def _sandbox_env(home: str) -> dict[str, str]:
-    """The child's ENTIRE environment: nothing from ours (API keys!) leaks in.
-
-    Note: `python -I` ignores every PYTHON* variable (PYTHONIOENCODING too), so
-    UTF-8 output is forced with the `-X utf8` flag instead of the environment.
-    """
-    return {
-        "PATH": "/usr/bin:/bin",  # enough for `sleep`, `sh`; no user bin dirs
-        "HOME": home,  # ~ points into the throw-away directory
-        "TMPDIR": home,  # tempfile.* in the child lands there too, and is deleted with it
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        # numpy & co. start one thread per core by default; each thread reserves
-        # virtual memory that counts against RLIMIT_AS, so keep them to one.
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
+def _sandbox_init(code: str, limits: str, status_fd: str) -> None:
+    """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits,
+    runs the snippet (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
+    reaps orphans as PID 1, then writes the wait status, which tells SIGKILL from sys.exit(137)."""
+    import ast, os, pathlib, resource, sys
+    for kind, want in ast.literal_eval(limits).items():  # never above what we inherited
+        hard = resource.getrlimit(kind)[1]
+        resource.setrlimit(kind, (want, want) if hard == resource.RLIM_INFINITY else (min(want, hard),) * 2)
+    pathlib.Path("snippet.py").write_text(code, encoding="utf-8")
+    if (pid := os.fork()) == 0:  # should the exec fail, the traceback ends this child with status 1
+        os.close(int(status_fd))
+        os.execv(sys.executable, [sys.executable, "-I", "-u", "-X", "utf8", "snippet.py"])
+    while (reaped := os.wait())[0] != pid:
+        pass
+    os.write(int(status_fd), str(reaped[1]).encode())
 
 
-def _set_limit(kind: int, soft: int, hard: int) -> None:
-    """setrlimit, but never above the hard limit we inherited (that would raise)."""
-    _, inherited_hard = resource.getrlimit(kind)
-    if inherited_hard != resource.RLIM_INFINITY:
-        soft, hard = min(soft, inherited_hard), min(hard, inherited_hard)
-    resource.setrlimit(kind, (soft, hard))
+def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
+    """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop."""
+    unshare, setpriv = (shutil.which(tool) or tool for tool in ("unshare", "setpriv"))
+    root = os.geteuid() == 0  # root always becomes nobody, namespaces or not; others keep their uid
+    drop = [setpriv, *(["--reuid=65534", "--regid=65534", "--clear-groups"] if root else []),
+            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+    if not namespaces:
+        return drop if root else []
+    outer = [unshare] if root else [unshare, "--user", "--map-root-user"]  # (we are its root, to mount)
+    return [*outer, "--mount", "--net", "--ipc", "/bin/sh", "-c", _JAIL_SETUP, "sh", " ".join(cgroups),
+            *_SANDBOX_READ_ONLY, "--", unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--root=.",
+            "--wd=/tmp", *drop]
 
 
-def _rlimit_setter(memory_mb: int, cpu_s: int) -> Callable[[], None]:
-    """Build the preexec_fn: it runs in the forked child just before exec, so the
-    limits apply to the sandboxed interpreter and everything it spawns.
-
-    Why preexec_fn although the docs warn it is unsafe with threads: the danger
-    is a lock held by another thread at fork time; this function only makes
-    setrlimit system calls and allocates nothing interesting, which is the
-    standard, well-trodden use.
-    """
-    def apply() -> None:
-        memory = memory_mb * 1024 * 1024
-        # Address space: a 4 GB bytearray fails with MemoryError inside the child
-        # instead of pushing OUR process (or the GPU box) into the OOM killer.
-        # It counts VIRTUAL memory, so libraries that reserve huge arenas
-        # (torch, jax) need a larger value than their real use.
-        _set_limit(resource.RLIMIT_AS, memory, memory)
-        # CPU seconds: a backstop behind the wall clock (SIGXCPU at soft, SIGKILL at hard);
-        # it also catches code that burns several cores at once.
-        _set_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)
-        # File size: stdout/stderr are files, so printing 50 MB stops at 16 MB
-        # (CPython ignores SIGXFSZ, so the write fails with OSError EFBIG instead).
-        _set_limit(resource.RLIMIT_FSIZE, SANDBOX_MAX_FILE_BYTES, SANDBOX_MAX_FILE_BYTES)
-        # Processes: counts ALL processes/threads of our user id, and the kernel
-        # does NOT enforce it for root -- in a root container it is a no-op.
-        _set_limit(resource.RLIMIT_NPROC, SANDBOX_MAX_PROCESSES, SANDBOX_MAX_PROCESSES)
-        # No core dumps: a crash must not write a 1 GB file.
-        _set_limit(resource.RLIMIT_CORE, 0, 0)
-    return apply
+def _make_cgroups(memory_mb: int) -> list[str]:
+    """New cgroups capping memory (swap too) and processes: in ours (v1 memory, pids), else beside it (v2)."""
+    v1, v2 = [], []
+    with open("/proc/self/cgroup") as f:
+        for _, names, path in (line.rstrip("\n").split(":", 2) for line in f):
+            v1 += [f"/sys/fs/cgroup/{c}{path}" for c in ("memory", "pids") if c in names.split(",")]
+            if not names and all(os.path.exists(f"/sys/fs/cgroup{path}/{c}.max") for c in ("memory", "pids")):
+                v2 = [os.path.dirname(f"/sys/fs/cgroup{path}")]  # we were handed both: a sibling gets them
+    made = [tempfile.mkdtemp(prefix="flowgrpo-", dir=parent) for parent in (v1 if len(v1) == 2 else v2)]
+    limits = {"memory.limit_in_bytes": memory_mb << 20, "memory.memsw.limit_in_bytes": memory_mb << 20,
+              "memory.max": memory_mb << 20, "memory.swap.max": 0, "pids.max": SANDBOX_MAX_PROCESSES}
+    for path, name in ((path, name) for path in made for name in limits if os.path.exists(f"{path}/{name}")):
+        Path(path, name).write_text(str(limits[name]))
+    return made
 
 
-def _wait_then_kill_group(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait up to timeout_s for the child, then SIGKILL its whole process group.
-
-    Returns True when the child was still running at the deadline.
-    The child is a session (and group) leader thanks to start_new_session=True,
-    so killpg(pid) also reaches the `sleep 100 &`, os.fork() and multiprocessing
-    children it left behind. We wait with WNOWAIT, i.e. WITHOUT reaping: while the
-    leader is an unreaped zombie its pid (= the group id) cannot be recycled, so
-    the killpg below can never hit an unrelated process group.
-    Known gap without a PID namespace (see pid_namespace_prefix): a child that calls os.setsid() leaves the
-    group and survives.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    timed_out = True
-    try:
-        while True:
-            # WNOHANG: don't block; WNOWAIT: leave the zombie in place (see above)
-            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                timed_out = False
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.05)  # fast for short snippets, cheap for long ones
-    finally:
-        # ALWAYS, even after a clean exit: orphans may still be running.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()  # reap the leader; its orphans are reaped by init
-    return timed_out
+def _read_capped(fd: int, max_chars: int, head: bool) -> str:
+    """The first (stdout: the answer) or last (stderr: the error) max_chars characters, bounded reads."""
+    size, n = os.fstat(fd).st_size, 4 * max_chars  # UTF-8 takes at most 4 bytes per character
+    text = os.pread(fd, n, 0 if head else max(0, size - n)).decode("utf-8", errors="replace")
+    if len(text) <= max_chars and size <= n:
+        return text
+    note = f"[output truncated, {size} bytes in total]"
+    return f"{text[:max_chars]}\n...{note}" if head else f"{note}...\n{text[-max_chars:]}"
 
 
-def _read_head(path: str, max_chars: int) -> str:
-    """First max_chars characters of a file, reading only a bounded prefix.
-
-    stdout holds the answer, which the snippet prints first-to-last, so we keep its head.
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        data = f.read(4 * max_chars)  # UTF-8 uses at most 4 bytes per character
-    text = data.decode("utf-8", errors="replace")
-    if len(text) > max_chars or size > len(data):
-        return text[:max_chars] + f"\n...[output truncated, {size} bytes in total]"
-    return text
-
-
-def _read_tail(path: str, max_chars: int) -> str:
-    """Last max_chars characters: the end of a traceback names the actual error."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        f.seek(max(0, size - 4 * max_chars))
-        data = f.read()
-    text = data.decode("utf-8", errors="replace")
-    if len(text) > max_chars or size > len(data):
-        return f"[...truncated, {size} bytes in total]...\n" + text[-max_chars:]
-    return text
-
-
-def _describe_failure(returncode: int, timed_out: bool, timeout_s: float,
-                      output_overflow: bool, stderr: str) -> str | None:
-    """One short line for the planner/verifier; None means "ran cleanly".
-
-    >>> _describe_failure(1, False, 2.0, False, "Traceback ...\\nZeroDivisionError: division by zero\\n")
-    'ZeroDivisionError: division by zero'
-    """
+def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, stderr: str) -> Optional[str]:
+    """One short line for the planner/verifier from the return code rc; None means "ran cleanly"."""
     if timed_out:
         return f"timed out after {float(timeout_s)} s"
-    if output_overflow:
+    if capped:
         return f"output limit exceeded ({SANDBOX_MAX_FILE_BYTES // 2**20} MB)"
-    if returncode == 0:
+    if rc < 0:  # a real signal death, from a wait status (not guessed from an exit code); SIGXCPU says "CPU"
+        hint = ", likely memory limit" if rc == -signal.SIGKILL else ""
+        return f"killed by signal {-rc} ({signal.strsignal(-rc)}{hint})"
+    if rc == 0:
         return None
-    if returncode < 0:  # Popen reports "killed by signal N" as -N
-        number = -returncode
-        try:
-            name = signal.Signals(number).name
-        except ValueError:
-            name = "unknown signal"
-        if number == signal.SIGXCPU:
-            return f"killed by signal {number} ({name}: CPU time limit)"
-        if number in (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS):
-            return f"killed by signal {number} ({name}, likely memory limit)"
-        return f"killed by signal {number} ({name})"
-    # Normal failure: the last line of a traceback is "ExceptionName: message".
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    if lines:
-        return lines[-1].strip()[:500]
-    return f"exited with code {returncode}"
+    lines = stderr.strip().splitlines()  # the last line of a traceback is "ExceptionName: message"
+    return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 
-_ISOLATION: Optional[list[str]] = None  # probed once: the command prefix that gives the child its own PIDs
-_ISOLATION_LOCK = threading.Lock()  # tools run in threads: none may run unisolated while the probe runs
-
-
-def pid_namespace_prefix() -> list[str]:
-    """A command prefix that runs the child in its own PID namespace with its own /proc, or [] if the
-    system does not allow it.
-
-    Why: a scrubbed environment is not enough. Any process of the same user (or root) can read
-    /proc/<trainer pid>/environ - the trainer's ORIGINAL environment, API keys included. In a fresh PID
-    namespace the trainer does not exist at all. Bonus: when the namespace's first process dies, the kernel
-    kills every process in it, even one that escaped the process group with setsid().
-    `unshare --pid` needs root; other users get the same through a user namespace (--map-root-user) where
-    the system allows them. Without either, the sandbox still works, minus this protection.
-    """
-    global _ISOLATION
-    with _ISOLATION_LOCK:
-        if _ISOLATION is None:
-            _ISOLATION = _probe_pid_namespace()
-        return _ISOLATION
-
-
-def _probe_pid_namespace() -> list[str]:
-    unshare = shutil.which("unshare")  # an absolute path: the child's PATH is not ours
-    if unshare is None:
-        return []
-    # sh is the namespace's PID 1 and Python its child: PID 1 ignores signals sent from inside its own
-    # namespace, which would make os.kill(os.getpid(), SIGKILL) in the snippet a silent no-op. (Not
-    # `exec`ing, sh reports a signal death as exit code 128 + N; _run_sandboxed maps it back.)
-    base = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", "-c", '"$@"; exit $?', "sh"]
-    for prefix in (base, [unshare, "--user", "--map-root-user", *base[1:]]):
-        try:
-            if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
-                return prefix
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return []
-
-
-def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> dict:
-    # Two throw-away directories: the snippet's cwd/HOME (holds only snippet.py),
-    # and a separate one for its captured output, so `shutil.rmtree(".")` or
-    # clever file games in the cwd cannot touch our copy of stdout/stderr.
-    isolation = pid_namespace_prefix()
-    with tempfile.TemporaryDirectory(prefix="flowgrpo_run_", ignore_cleanup_errors=True) as workdir, \
-            tempfile.TemporaryDirectory(prefix="flowgrpo_out_", ignore_cleanup_errors=True) as outdir:
-        script = os.path.join(workdir, "snippet.py")
-        with open(script, "w", encoding="utf-8") as f:
-            f.write(code)
-        out_path, err_path = os.path.join(outdir, "stdout"), os.path.join(outdir, "stderr")
-        # Output goes to FILES, not pipes: a pipe we had to drain could fill our
-        # memory with gigabytes; a file is capped by RLIMIT_FSIZE and read back
-        # only up to max_output_chars.
-        with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
+def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool,
+                   cgroups: bool) -> dict:
+    out_fd, err_fd, status_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status"))
+    made: list[str] = []
+    try:
+        made = _make_cgroups(memory_mb) if cgroups else []
+        limits = {resource.RLIMIT_AS: memory_mb << 20, resource.RLIMIT_CPU: math.ceil(timeout_s) + 1,
+                  resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0}
+        if not made:  # NPROC counts ALL processes of the uid (as root: of every sandbox); pids.max is per run
+            limits[resource.RLIMIT_NPROC] = SANDBOX_MAX_PROCESSES
+        source = f"import sys\n{inspect.getsource(_sandbox_init)}_sandbox_init(*sys.argv[1:])"
+        init = [sys.executable, "-I", "-S", "-c", source, code, repr(limits)]
+        with tempfile.TemporaryDirectory(prefix="flowgrpo_run_", ignore_cleanup_errors=True) as workdir:
+            home = "/tmp" if jail else workdir  # in the jail: the tmpfs (the setup's cd); else this directory
+            if not jail and os.geteuid() == 0:
+                os.chown(workdir, 65534, 65534)  # the snippet runs as nobody there
             proc = subprocess.Popen(
-                # -I: isolated mode (no PYTHON* env vars, no user site-packages,
-                #     the script's directory is NOT on sys.path, so a file named
-                #     `json.py` in the cwd cannot shadow the stdlib);
-                # -u: unbuffered, so what was printed before a timeout kill is kept;
-                # -X utf8: UTF-8 I/O whatever the locale.
-                [*isolation, sys.executable, "-I", "-u", "-X", "utf8", script],
-                cwd=workdir,
-                env=_sandbox_env(workdir),
-                stdin=subprocess.DEVNULL,  # input() gets EOF at once instead of hanging
-                stdout=out_f,
-                stderr=err_f,
-                close_fds=True,  # no inherited sockets / files from our process
-                start_new_session=True,  # own session + process group -> one killpg kills all
-                preexec_fn=_rlimit_setter(memory_mb, math.ceil(timeout_s) + 1),
-            )
-            timed_out = _wait_then_kill_group(proc, timeout_s)
-        returncode = proc.returncode
-        if isolation and 128 < returncode <= 128 + 64:  # sh's way of saying "killed by signal N" (a snippet's
-            returncode = 128 - returncode             # own sys.exit(129..192) reads the same: rare)
-        output_overflow = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= SANDBOX_MAX_FILE_BYTES
-        stdout = _read_head(out_path, max_output_chars)
-        stderr = _read_tail(err_path, max_output_chars)
-    return {
-        "stdout": stdout,
-        "stderr": stderr,
-        "error": _describe_failure(returncode, timed_out, timeout_s, output_overflow, stderr),
-        "timed_out": timed_out,
-        "returncode": returncode,
-    }
+                [*_jail(jail, made), *init, str(status_fd)], cwd=workdir,
+                env={"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LC_ALL": "C.UTF-8",
+                     "OMP_NUM_THREADS": "1"},  # a thread per core would each reserve RLIMIT_AS memory
+                stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, pass_fds=(status_fd,),
+                start_new_session=True)  # its own process group: one killpg reaches every child
+            try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout_s)
+                timed_out = proc.returncode is None
+            finally:  # ALWAYS kill the group: orphans outlive a clean exit (setsid ones die with the PID ns)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        rc = os.waitstatus_to_exitcode(int(s)) if (s := os.pread(status_fd, 32, 0)) else proc.returncode
+        overflow = max(os.fstat(out_fd).st_size, os.fstat(err_fd).st_size) >= SANDBOX_MAX_FILE_BYTES
+        stdout, stderr = _read_capped(out_fd, max_chars, True), _read_capped(err_fd, max_chars, False)
+    finally:
+        for fd in (out_fd, err_fd, status_fd):
+            os.close(fd)
+        for path in made:  # rmdir fails until the killed processes have left the cgroup: retry for a second
+            for _ in range(100):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+                    break
+                time.sleep(0.01)
+    return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": rc,
+            "error": _describe_failure(rc, timed_out, timeout_s, overflow, stderr)}
+
+
+def sandbox_missing_layers() -> list[str]:
+    """Which of "namespaces" and "cgroup" this system cannot give. The first call probes under the lock with a
+    snippet that checks both: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
+    global _SANDBOX
+    with _SANDBOX_LOCK:
+        if _SANDBOX is None:
+            check = "import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read())"
+            for jail, cgroups in ((True, os.geteuid() == 0), (True, False), (False, False)):
+                with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+                    if _run_sandboxed(check, 10.0, 256, 99, jail, cgroups)["stdout"] == f"{jail} {cgroups}\n":
+                        break
+            _SANDBOX = (jail, cgroups)
+            if not (jail and cgroups):
+                log(f"sandbox: no {'cgroup' if jail else 'namespaces, no cgroup'} here (see the README)")
+    return [name for name, ok in zip(("namespaces", "cgroup"), _SANDBOX) if not ok]
 
 
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024,
                max_output_chars: int = 8000) -> dict:
-    """Run untrusted Python in a sandboxed subprocess; never raises for what the code does.
-
-    Returns {"stdout", "stderr", "error", "timed_out", "returncode"}; error is None
-    only for a clean run with exit code 0.
-
-    >>> run_python("print(6 * 7)")["stdout"]
-    '42\\n'
-    >>> run_python("1 / 0")["error"]
-    'ZeroDivisionError: division by zero'
-    """
+    """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
+    "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
+    sandbox_missing_layers()
     try:
-        return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars)
-    except (OSError, ValueError, subprocess.SubprocessError) as e:
-        # Our side failed (cannot fork, disk full, code not encodable as UTF-8):
-        # still an answer, not an exception that kills the rollout.
+        return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:  # our side failed: no fork, NUL in code
         return {"stdout": "", "stderr": "", "error": f"sandbox failure: {type(e).__name__}: {e}",
                 "timed_out": False, "returncode": None}
 

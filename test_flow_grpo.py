@@ -494,37 +494,32 @@ def test_parent_secrets_are_not_visible(monkeypatch):
     assert "'PATH': '/usr/bin:/bin'" in result["stdout"]
 
 
-def test_sandbox_cannot_read_the_trainers_original_environment():
-    """/proc/<pid>/environ shows the environment a process STARTED with, whatever os.environ says now, so a
-    scrubbed env alone is not enough. A separate 'trainer' process starts with a secret and runs code that
-    hunts for it through /proc."""
-    if not fg.pid_namespace_prefix():
-        pytest.skip("no PID namespace here (needs root or user namespaces): see pid_namespace_prefix")
-    hunt = ("import glob, os\nfound = []\nfor p in glob.glob('/proc/*/environ'):\n    try:\n"
-            "        found += [p] if b'hunter2' in open(p, 'rb').read() else []\n    except OSError:\n        pass\n"
-            "print('ppid', os.getppid(), 'found', found)")
-    # 8 concurrent FIRST calls, as the tool pool makes them: none may run before isolation is settled
-    trainer = ("import flow_grpo, json\nfrom concurrent.futures import ThreadPoolExecutor\n"
-               f"with ThreadPoolExecutor(8) as pool:\n    results = list(pool.map(flow_grpo.run_python, [{hunt!r}] * 8))\n"
-               "print(json.dumps(results))")
-    out = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                         env={**os.environ, "FLOW_GRPO_TEST_SECRET": "hunter2-do-not-leak"})
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 8
-    assert all(r["error"] is None and "found []" in r["stdout"] for r in results), results
+def _host_pids_running(token: str, wait_s: float = 3.0) -> list[str]:
+    """Host pids whose command line holds token, polled until none is left or wait_s has passed (killed
+    processes take a moment to go). We see every PID namespace from here; the snippet could not have written
+    a marker file for us, since it cannot write outside its own tmpfs."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for path in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                found += [path.parent.name] if token.encode() in path.read_bytes() else []
+            except OSError:
+                pass  # it ended while we looked
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
-def test_setsid_child_dies_with_the_sandbox(tmp_path):
+def test_setsid_child_dies_with_the_sandbox():
     """A grandchild that leaves the process group with setsid() is still killed: it lives in the sandbox's
     PID namespace, which the kernel empties when its first process exits."""
-    if not fg.pid_namespace_prefix():
-        pytest.skip("no PID namespace here (needs root or user namespaces): see pid_namespace_prefix")
-    marker = tmp_path / "alive"
-    code = (f"import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 1.5; touch {marker}'], start_new_session=True,"
-            f" stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\nprint('spawned')")
-    assert run_python(code, timeout_s=5)["stdout"] == "spawned\n"
-    time.sleep(2.5)
-    assert not marker.exists()  # the escaped grandchild never got to run its command
+    if "namespaces" in fg.sandbox_missing_layers():
+        pytest.skip("this system gives the sandbox no PID namespace: a setsid() child outlives the call")
+    token = f"{random.uniform(30, 40):.6f}"  # a sleep length no other process uses
+    code = f"import subprocess\nsubprocess.Popen(['sleep', '{token}'], start_new_session=True)\nprint('ok')"
+    assert run_python(code, timeout_s=5)["stdout"] == "ok\n"
+    assert _host_pids_running(token) == []
 
 
 def test_stdin_is_empty_not_blocking():
@@ -556,34 +551,36 @@ def test_exit_codes_and_signals_are_described():
     assert run_python("import sys\nsys.exit(0)")["error"] is None
     killed = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
     assert killed["error"].startswith("killed by signal 9") and killed["timed_out"] is False
+    # an exit code of 128 + 9 is not a SIGKILL: the sandbox reads the wait status, not a shell's $?
+    assert run_python("import sys\nsys.exit(137)")["error"] == "exited with code 137"
 
 
-def test_children_left_behind_are_killed(tmp_path):
-    """Children started by the snippet (Popen, a shell's `&`, os.fork) must not outlive the call. Each one
-    would create a marker file 1.5 s later; none may appear. (Markers, not pids: inside the sandbox's PID
-    namespace the snippet only sees namespace-local pids.)"""
-    m = [tmp_path / f"alive{i}" for i in range(3)]
+def test_children_left_behind_are_killed():
+    """Children started by the snippet (Popen, a shell's `&`, os.fork) must not outlive the call: each runs a
+    `sleep` of a length no other process uses, and none may be left on the host afterwards."""
+    token = f"{random.uniform(30, 40):.6f}"
     code = (
-        "import os, subprocess, time\n"
-        f"p = subprocess.Popen(['sh', '-c', 'sleep 1.5; touch {m[0]}'])\n"
-        f"subprocess.run('(sleep 1.5; touch {m[1]}) >/dev/null 2>&1 &', shell=True)\n"
+        "import os, subprocess\n"
+        f"subprocess.Popen(['sleep', '{token}'])\n"
+        f"subprocess.run('sleep {token} >/dev/null 2>&1 &', shell=True)\n"
         "if os.fork() == 0:\n"
-        "    time.sleep(1.5)\n"
-        f"    open('{m[2]}', 'w').close()\n"
-        "    os._exit(0)\n"
+        f"    os.execvp('sleep', ['sleep', '{token}'])\n"
         "print('spawned')\n"
     )
     result = run_python(code, timeout_s=5)
     assert result["error"] is None and result["stdout"] == "spawned\n", result
-    time.sleep(2.5)
-    assert not any(p.exists() for p in m)
+    assert _host_pids_running(token) == []
 
 
 def test_temp_dir_is_cwd_and_removed():
-    result = run_python("import os\nopen('junk.txt', 'w').write('x')\nprint(os.getcwd())\nprint(os.environ['HOME'])")
+    name = f"junk-{random.randrange(10**9)}.txt"
+    result = run_python(f"import os\nopen('{name}', 'w').write('x')\nprint(os.getcwd(), os.environ['HOME'])")
     cwd, home = result["stdout"].split()
-    assert cwd == home and os.path.basename(cwd).startswith("flowgrpo_run_")
-    assert not os.path.exists(cwd)
+    assert cwd == home and not os.path.exists(os.path.join(cwd, name))
+    if "namespaces" not in fg.sandbox_missing_layers():
+        assert cwd == "/tmp"  # the sandbox's own tmpfs, gone with its mount namespace (not the host's /tmp)
+    else:
+        assert os.path.basename(cwd).startswith("flowgrpo_run_") and not os.path.exists(cwd)
 
 
 def test_cwd_cannot_shadow_stdlib():
@@ -594,6 +591,243 @@ def test_cwd_cannot_shadow_stdlib():
                         f"r = subprocess.run([sys.executable, '-I', '-c', {code!r}], capture_output=True, text=True)\n"
                         "print(r.stdout.strip())")
     assert result["stdout"] == "[1]\n"
+
+
+# ==== sandbox: hostile snippets, run by a trainer as the current user and as an ordinary user ====
+
+_HUNT_SECRET = """import ctypes, os
+ctypes.CDLL(None).umount2(b"/proc", 2)  # as root this once uncovered the host's /proc, trainer included
+needle, found = ("hunter" + "2").encode(), []  # (spelled apart: this source sits in the init's argv)
+for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+    try:
+        found += [pid + "/environ"] if needle in open(f"/proc/{pid}/environ", "rb").read() else []
+        stack = next(line for line in open(f"/proc/{pid}/maps") if "[stack]" in line)  # where environ lives
+        low, high = (int(x, 16) for x in stack.split()[0].split("-"))
+        with open(f"/proc/{pid}/mem", "rb") as mem:
+            mem.seek(low)
+            found += [pid + "/mem"] if needle in mem.read(high - low) else []
+    except (OSError, StopIteration):
+        pass
+print("found", found)
+"""
+_FILE_GAMES = """import ctypes, os
+def own_user_namespace():  # its CAP_SYS_CHROOT would let the snippet climb out of its new root
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+for what, act in [("delete", lambda: os.remove(VICTIM)),
+                  ("write beside", lambda: open(VICTIM + ".new", "w")),
+                  ("write in runs/", lambda: os.makedirs(RUNS_MARKER)),
+                  ("write in /tmp", lambda: open(TMP_MARKER, "w")),
+                  ("new user namespace", own_user_namespace)]:
+    try:
+        act()
+        print(what, "done")
+    except OSError as e:
+        print(what, "failed:", e)
+"""
+_DISK_FILL = """n = 0
+try:
+    for i in range(128):
+        open(f"f{i}", "wb").write(bytes(16 * 2**20 - 1))
+        n += 1
+except OSError as e:
+    print(e)
+print("files", n)
+"""
+_MEMORY_HOGS = """import os, time
+pids = []
+for _ in range(4):
+    if (pid := os.fork()) == 0:
+        hog = b"x" * (700 * 2**20)  # 700 MB, every page written: below RLIMIT_AS (1024 MB) on its own
+        time.sleep(0.5)  # so that all four hold theirs at once
+        os._exit(0)
+    pids.append(pid)
+print("statuses", [os.waitpid(pid, 0)[1] for pid in pids])
+"""
+_FORK_BOMB = """import os, time
+n = 0
+for _ in range(600):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(10)
+        os._exit(0)
+    n += 1
+print("forks", n)
+"""
+# The trainer: its first calls race the probe, as a pool of tool calls would; the costly checks then run
+# only where their layer exists (without it, they would really fill 2 GB of disk or 2.8 GB of memory).
+_TRAINER = """import json, sys, time
+from concurrent.futures import ThreadPoolExecutor
+import flow_grpo
+checks, results = json.loads(sys.argv[1]), {}
+def run(name):
+    start = time.monotonic()
+    result = flow_grpo.run_python(checks[name][1], timeout_s=checks[name][2])
+    results[name] = {**result, "elapsed": time.monotonic() - start}
+with ThreadPoolExecutor(8) as pool:
+    list(pool.map(run, [name for name, (phase, _, _) in checks.items() if phase == "first"]))
+missing = flow_grpo.sandbox_missing_layers()
+with ThreadPoolExecutor(8) as pool:
+    list(pool.map(run, [name for name, (phase, _, _) in checks.items() if phase not in ("first", *missing)]))
+print(json.dumps({"missing": missing, "results": results}))
+"""
+_LAYER_OF = {"secret": "namespaces", "fifo": None, "network": "namespaces", "files": "namespaces",
+             "disk": "namespaces", "memory": "cgroup", "fork": "namespaces"}
+
+
+def _as_nobody(argv: list) -> list:
+    """`argv` run as uid 65534, an ordinary user. Where the interpreter sits below a directory only root may
+    enter (/root/.pyenv), a private mount namespace lays a traversable tmpfs over that directory and binds
+    the interpreter's own directory back, so that the same Python (with torch) runs."""
+    prefix = Path(sys.base_prefix)
+    closed = [p for p in reversed(prefix.parents) if not p.stat().st_mode & 0o001]  # no "x" for others
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    if not closed:
+        return drop
+    script = ('set -e; stage=$(mktemp -d); mount --bind "$1" "$stage"; mount -t tmpfs -o mode=755 none "$2"; '
+              'mkdir -p "$1"; mount --bind "$stage" "$1"; shift 2; exec "$@"')
+    return ["unshare", "--mount", "sh", "-c", script, "sh", str(prefix), str(closed[0]), *drop]
+
+
+@pytest.fixture(scope="module")
+def hostile_runs():
+    """Trainers that start with a secret in their environment run the hostile snippets above at once: one as
+    the current user and, when that is root, one as uid 65534. Returns, per user, the trainer's (returncode,
+    stdout, stderr) and what its file games left on the host."""
+    import shutil
+    import tempfile
+    listener = socket.create_server(("127.0.0.1", 0))  # connect() succeeds on a listening socket
+    share = tempfile.mkdtemp(prefix="flowgrpo-share-")  # what uid 65534 may read: flow_grpo.py, a HOME
+    shutil.copy(ROOT / "flow_grpo.py", share)
+    os.makedirs(f"{share}/home", mode=0o777)
+    os.chmod(share, 0o755), os.chmod(f"{share}/home", 0o777)
+    users = ["current", "nobody"] if os.geteuid() == 0 else ["current"]
+    procs, paths = {}, {}
+    for user in users:
+        victim_dir = tempfile.mkdtemp(prefix="flowgrpo-victim-")
+        os.chmod(victim_dir, 0o777)  # even uid 65534 could delete in here, were it not jailed
+        Path(victim_dir, "victim.txt").write_text("keep me")
+        os.chmod(f"{victim_dir}/victim.txt", 0o666)
+        tag = f"{user}-{random.randrange(10**9)}"
+        paths[user] = (victim_dir, f"/tmp/flowgrpo-marker-{tag}", ROOT / "runs" / f"sandbox-marker-{tag}")
+        constants = (f"VICTIM, TMP_MARKER, RUNS_MARKER = {victim_dir + '/victim.txt'!r}, {paths[user][1]!r}, "
+                     f"{str(paths[user][2])!r}\n")
+        fifo = "import os\np = os.readlink('/proc/self/fd/1')\nos.remove(p)\nos.mkfifo(p)"  # hung it
+        port = listener.getsockname()[1]
+        connect = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)"
+        checks = {"secret": ["first", _HUNT_SECRET, 10], "files": ["first", constants + _FILE_GAMES, 10],
+                  "fifo": ["first", fifo, 5], "network": ["first", connect + "\nprint('connected')", 10],
+                  "disk": ["namespaces", _DISK_FILL, 10], "memory": ["cgroup", _MEMORY_HOGS, 30],
+                  "fork": ["namespaces", _FORK_BOMB, 10]}
+        argv = [sys.executable, "-c", _TRAINER, json.dumps(checks)]
+        env = {"PATH": os.environ["PATH"], "HOME": f"{share}/home", "OMP_NUM_THREADS": "1",
+               "FLOW_GRPO_TEST_SECRET": "hunter2-do-not-leak"}
+        procs[user] = subprocess.Popen(argv if user == "current" else _as_nobody(argv), env=env, text=True,
+                                       cwd=ROOT if user == "current" else share, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE)
+    runs = {}
+    try:
+        for user, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            victim_dir, tmp_marker, runs_marker = paths[user]
+            runs[user] = {"trainer": (proc.returncode, stdout, stderr),
+                          "left": sorted(os.listdir(victim_dir)),
+                          "victim": Path(victim_dir, "victim.txt").read_text(errors="replace"),
+                          "tmp_marker": os.path.exists(tmp_marker), "runs_marker": runs_marker.exists()}
+        yield runs
+    finally:
+        for user, proc in procs.items():
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(paths[user][0], ignore_errors=True)
+            shutil.rmtree(paths[user][2], ignore_errors=True)
+            Path(paths[user][1]).unlink(missing_ok=True)
+        shutil.rmtree(share, ignore_errors=True)
+        listener.close()
+
+
+def _hostile(runs, user, name):
+    """The result of one hostile snippet, or a skip that says which layer this system lacks."""
+    if user not in runs:
+        pytest.skip("not root: the current user is the ordinary user, tested as 'current'")
+    returncode, stdout, stderr = runs[user]["trainer"]
+    assert returncode == 0, stderr[-3000:]
+    report = json.loads(stdout.strip().splitlines()[-1])
+    layer = _LAYER_OF[name]
+    if layer in report["missing"]:
+        pytest.skip(f"this system gives {user!r} no {layer} layer (see sandbox_missing_layers, the README)")
+    return report["results"][name]
+
+
+USERS = pytest.mark.parametrize("user", ["current", "nobody"])
+
+
+@USERS
+def test_snippet_cannot_read_the_trainers_secret_even_after_umount_proc(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "secret")
+    assert result["stdout"] == "found []\n", result  # no environ, no stack of any process holds it
+
+
+@USERS
+def test_output_replaced_by_a_fifo_cannot_hang_the_caller(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "fifo")
+    assert result["elapsed"] < 5 + 3 and not result["timed_out"], result
+
+
+@USERS
+def test_snippet_cannot_reach_a_listener_on_127_0_0_1(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "network")
+    assert "connected" not in result["stdout"] and result["error"] is not None, result
+
+
+@USERS
+def test_snippet_cannot_delete_or_write_outside_its_tmpfs(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "files")
+    assert "delete failed" in result["stdout"] and "new user namespace failed" in result["stdout"], result
+    left = hostile_runs[user]
+    assert left["left"] == ["victim.txt"] and left["victim"] == "keep me"
+    assert not left["tmp_marker"] and not left["runs_marker"]  # its /tmp is its own tmpfs, gone with it
+
+
+@USERS
+def test_disk_use_is_bounded_by_the_tmpfs(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "disk")
+    files = int(result["stdout"].split()[-1])
+    assert files * 16 <= fg.SANDBOX_TMPFS_MB and "No space left" in result["stdout"], result
+
+
+@USERS
+def test_four_children_of_700_mb_exceed_memory_mb_1024_together(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "memory")
+    assert "[0, 0, 0, 0]" not in result["stdout"], result  # each fits RLIMIT_AS; together they hit the cgroup
+    assert "statuses" in result["stdout"] or "signal 9" in (result["error"] or ""), result
+
+
+@USERS
+def test_a_fork_bomb_is_bounded(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "fork")
+    assert int(result["stdout"].split()[-1]) < fg.SANDBOX_MAX_PROCESSES, result
+
+
+def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, capsys):
+    """Without the namespaces (here: an unshare that does not exist) the first call logs ONE line naming
+    what is missing, and every call still runs with the layers that are left. Root's code still runs as uid
+    65534, or not at all: where uid 65534 cannot reach the interpreter (/root/.pyenv), every call says so."""
+    jail = fg._jail
+    monkeypatch.setattr(fg, "_SANDBOX", None)
+    monkeypatch.setattr(fg, "_jail", lambda ns, cgroups: ["/nonexistent/unshare"] if ns else jail(ns, cgroups))
+    results = [fg.run_python("import os\nprint(os.getuid())") for _ in range(2)]
+    if os.getuid() != 0:
+        assert all(r["stdout"] == f"{os.getuid()}\n" for r in results), results
+    elif any(not p.stat().st_mode & 0o001 for p in Path(sys.base_prefix).parents):
+        assert all("Permission denied" in r["error"] for r in results), results
+    else:
+        assert all(r["stdout"] == "65534\n" for r in results), results
+    assert fg.sandbox_missing_layers() == ["namespaces", "cgroup"]
+    assert capsys.readouterr().err.splitlines() == ["sandbox: no namespaces, no cgroup here (see the README)"]
 
 
 # ----------------------------------------------------------------------------- retrieval
