@@ -1973,22 +1973,26 @@ def timed(fn, *args):
     return fn(*args), time.perf_counter() - t0
 
 
-def test_rule_reward_is_fast_on_adversarial_megabyte_outputs():
-    """Every input is handled in linear time: a 1 MB run of whitespace before text took ~37 min and 1 MB of
+def test_rule_reward_is_fast_on_adversarial_megabyte_outputs(monkeypatch):
+    """Every input is handled in linear time: a 1 MB run of whitespace between words took hours and 1 MB of
     unclosed <answer> tags ~18 min before extraction looked only at the tail and the patterns were anchored.
-    Each case runs at 64 KB first, where a quadratic pattern already fails the limit without hanging the test."""
-    assert fg.rule_reward("<answer>2\\sqrt{3}</answer>", "\\sqrt{12}") == 1.0  # warm: starts math-verify's worker
+    Each case runs at 64 KB first, where a quadratic pattern already fails the limit without hanging the test.
+    math-verify is replaced by a recorder: it only ever sees answers of at most SYMPY_MAX characters, and its
+    own time is bounded by SYMPY_TIMEOUT_S (test_math_verify_works_from_threads_and_a_hung_comparison_is_killed)."""
+    asked = []
+    monkeypatch.setattr(fg, "math_verify_equal", lambda gold, pred: asked.append((gold, pred)) or False)
     cases = [("", " ", "Paris", "Paris"), ("x", " ", "y", "x y"), ("1", " ", "x", "1"), ("<answer>x", " ", "y</answer>", "x y"),
              ("", "<answer>", "", "144"), ("", "<answer>", "144", "144"), ("", "\\boxed{", "", "1"), ("", "1", "", "1"),
              ("", "the answer is ", "", "1"), ("", "9", "!", "1"), ("", "- ", "", "1"), ("", "1 ", "", "1"),
              ("<answer>", "x", "", "x"), ("", "\\text{", "", "1"), ("", "1\\,", "", "1"), ("", "1,", "", "1"),
              ("", "-", "5", "5"), ("", "{", "", "1"), ("", "(", "", "(1, 2)"), ("", "1.", "", "1"), ("", "\n", "", "1"),
-             ("", "a-", "", "a"), ("", "\t\n", "7", "7")]
+             ("", "a-", "", "a"), ("", "\t\n", "7", "7"), ("", "x^", "2", "x^2"), ("", "\\left(", "1", "1")]
     for size in (1 << 16, 1 << 20):
         for start, unit, end, gold in cases:
             out = start + unit * (size // len(unit)) + end
             best = min(timed(fg.rule_reward, out, gold)[1] for _ in range(3))  # best of 3: the CPU is shared
             assert best < 0.05, (size, start, unit, end, gold, best)
+    assert asked and all(len(s) <= fg.SYMPY_MAX for pair in asked for s in pair)
 
 
 def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypatch):
