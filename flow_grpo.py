@@ -1755,6 +1755,14 @@ def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: E
 # =====================================================================================================
 
 
+# The rule judge: OUR extraction of the final answer, then exact numbers, then SQuAD-normalised text, then
+# Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order). Only the last
+# ANSWER_TAIL characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
+ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
+# One spelling for what is written several ways (− ∞ π √); $ only delimits math
+SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None})
+
+
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last \\boxed{...}, braces balanced: last_boxed(r"so \\boxed{\\frac{1}{2}}") -> r"\\frac{1}{2}" """
     start = text.rfind("\\boxed{")
@@ -1769,76 +1777,125 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 def extract_answer(text: str) -> str:
-    """The final answer inside a model's output: the last <answer>...</answer> (an unclosed last tag counts),
-    then a \\boxed{} inside it or in the text, else the whole text."""
-    tags = re.findall(r"<answer>(.*?)</answer>", text, re.S | re.I)
-    opened = re.split(r"<answer>", text, flags=re.I)
-    inner = tags[-1] if tags else (opened[-1] if len(opened) > 1 else text)
+    """The final answer in the last ANSWER_TAIL characters: inside the last <answer> tag (closed or not), else
+    anywhere; there the last \\boxed{}, else the line after the last "answer is"/"Answer:", else the last line."""
+    inner = text[-ANSWER_TAIL:]
+    opened = [m.end() for m in re.finditer("<answer>", inner, re.I)]
+    if opened:
+        closed = re.compile("</answer>", re.I).search(inner, opened[-1])
+        inner = inner[opened[-1]:closed.start() if closed else None]
     boxed = last_boxed(inner)
-    return (boxed if boxed is not None else inner).strip()
+    if boxed is not None:
+        return boxed.strip()
+    said = [m.end() for m in re.finditer(r"answer(?:\*\*)?\s*(?:is\b|:)", inner, re.I)]
+    if said:  # "The answer is 144. Because ..." -> "144"
+        inner = re.split(r"\.\s+(?=[A-Z])", inner[said[-1]:].lstrip(" \t\n*:").split("\n")[0])[0]
+    elif not opened:
+        inner = inner.strip().rsplit("\n", 1)[-1]
+    return inner.strip(" \t\n*:").rstrip(".* ")
 
 
 def strip_latex(text: str) -> str:
-    """Remove LaTeX that does not change a math answer's meaning: $, \\left/\\right, thin spaces, \\text{..}
-    wrappers, \\dfrac -> \\frac, spaces, a final period, and map the Unicode minus to '-'. Signs, brackets
-    and operators stay: '(-1, 2)' and '(1, 2)' must remain different."""
-    t = text.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    t = re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", t)
-    t = re.sub(r"\$|\\(?:left|right)(?![a-zA-Z])|\\[!,;: ]|\s", "", t)  # not \leftarrow
-    return t.rstrip(".")
+    """A math answer without the LaTeX that does not change it: \\left, \\dfrac, thin spaces, spaces (but one
+    between digits: '1 2' is not 12). Signs, brackets and case stay: '(-1, 2)' is not '(1, 2)'."""
+    t = re.sub(r"\s+", " ", text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
+    return re.sub(r"\\(?:left|right)(?![a-zA-Z])|(?<!\\)\\[!,;: ]|(?<!\d) | (?!\d)", "", t)
 
 
-def to_number(text: str) -> Optional[Fraction]:
-    """Parse '1,234', '-3.5', '2/3', '-\\frac{2}{3}', '$12$', '50\\%', '12 \\text{cm}' as an exact Fraction;
-    None if it is not one number. Thousands separators only in their proper place: '1,2' is not twelve."""
-    t = re.sub(r"\s*\\(?:text|mathrm)\{\s*[a-zA-Z]*\s*\}\s*$", "", text.strip())  # a trailing unit only
-    if re.search(r"\d(\s|\\[ ,;:!]|\\text)+\d", t) and not re.fullmatch(r"-?\d{1,3}([ ,]\d{3})+", t.strip()):
-        return None  # '1 2' or '5 \text{ or } 6' is not the number 12 or 56
-    t = strip_latex(t).replace("\\%", "").rstrip("%")
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", t):
-        t = t.replace(",", "")
-    frac = re.fullmatch(r"(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", t) or re.fullmatch(r"(-?)(-?[\d.]+)/(-?[\d.]+)", t)
+def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
+    """'1,234', '-3.5', '2/3', '-\\frac{2}{3}', '50\\%' as an exact Fraction, else None. Thousands separators only
+    in place ('1,2' is not 12); exponents capped (1e100000000 would build a 100-million-digit integer).
+    words_after: '6 ways', '1,454 feet' are their number ('7 million', '3 April 1945' are not)."""
+    if words_after:
+        m = re.fullmatch(r"(\S+)\s+(?!(?:hundred|thousand|million|billion|trillion)\b)[a-zA-Z][a-zA-Z\s.]*", text)
+        text = m.group(1) if m else ""
+    t = re.sub(r"^(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}$", r"\1\2/\3", re.sub(r"\\?%$", "", strip_latex(text)))
+    number = r"(?=\.?\d)(\d{1,3}(,\d{3})+|\d*)(\.\d+)?([eE][-+]?\d{1,3})?"
+    if not re.fullmatch(rf"-?{number}(/{number})?", t):
+        return None
     try:
-        if frac:
-            sign = -1 if frac.group(1) else 1
-            return sign * Fraction(frac.group(2)) / Fraction(frac.group(3))
-        # the exponent is capped: Fraction("1e100000000") would build a 100-million-digit integer
-        return Fraction(t) if re.fullmatch(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?", t) else None
+        return Fraction(t.replace(",", ""))  # '2/3' too, but not '1.5/2': None, math-verify will see it
     except (ValueError, ZeroDivisionError):
         return None
 
 
 def normalize_text(text: str) -> str:
-    """SQuAD-style: lower case, no punctuation, no articles, single spaces. 'The Eiffel Tower.' -> 'eiffel tower'"""
-    t = re.sub(r"[^\w\s]", " ", text.lower())
-    return " ".join(w for w in t.split() if w not in {"a", "an", "the"})
+    """SQuAD-style: lower case, no punctuation, no articles, single spaces: 'The Eiffel Tower.' -> 'eiffel tower'.
+    A minus sign stays, as a word ('-89.2 °C' is not '89.2 °C'); thousands commas go ('1,454' is '1454')."""
+    t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.lower()))
+    return " ".join(w for w in re.sub(r"[^\w\s]", " ", t).split() if w not in {"a", "an", "the"})
 
 
-# What makes an answer "math": text normalisation would erase it and turn -5 into 5. A hyphen counts only
-# as a minus sign (at the start or after a space, bracket or operator), so 'Catch-22' stays text.
-MATH_CHARS = re.compile(r"[\\^<>=()\[\]{}+*/!|√∞π]|(^|[\s(\[{,=+*/])-")
+# math-verify runs in a `python -c` worker process (multiprocessing would re-import the caller's __main__),
+# killed after SYMPY_TIMEOUT_S: sympy has no time bound ('(x+1)^{999}' simplifies for 40 s, '10^{10^{10}}'
+# never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only and cannot stop
+# one long integer operation. Answers go in \boxed{}: a bare '2\sqrt{3}' parses as just 2.
+MATH_WORKER = r"""
+import json, sys
+from math_verify import parse, verify
+for line in sys.stdin:
+    parsed = [parse("\\boxed{%s}" % s, parsing_timeout=None) for s in json.loads(line)]
+    print(int(bool(parsed[0] and parsed[1]) and verify(*parsed, timeout_seconds=None)), flush=True)
+"""
+_math_worker: dict = {}  # "proc": the running worker; calls from several threads take turns (_math_lock)
+_math_lock = threading.Lock()
+
+
+def math_verify_equal(gold: str, pred: str) -> bool:
+    """MATH_WORKER's verdict, or False after SYMPY_TIMEOUT_S."""
+    import select
+
+    with _math_lock:
+        first = "proc" not in _math_worker  # its first reply also waits for sympy's import
+        if first:
+            _math_worker["proc"] = subprocess.Popen([sys.executable, "-c", MATH_WORKER], stdin=subprocess.PIPE,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc, reply = _math_worker["proc"], ""
+        try:
+            proc.stdin.write(json.dumps([gold, pred]) + "\n")
+            proc.stdin.flush()
+            if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
+                reply = proc.stdout.readline()
+        except BrokenPipeError:  # it died
+            pass
+        finally:  # too slow, dead or interrupted (a late reply would answer the next question): a fresh one
+            if not reply:
+                proc.kill()
+                proc.wait()
+                del _math_worker["proc"]
+        return reply.strip() == "1"
 
 
 def answers_match(pred: str, gold: str) -> bool:
-    """Numbers by exact value; math expressions by their LaTeX-stripped form; plain text SQuAD-normalised."""
-    pred_num, gold_num = to_number(pred), to_number(gold)
-    if pred_num is not None and gold_num is not None:
-        return pred_num == gold_num  # exact: 1048575 is not 1048576, 0.5 is 1/2
-    if MATH_CHARS.search(pred) or MATH_CHARS.search(gold):
-        return strip_latex(pred) == strip_latex(gold) != ""  # case kept: \Sigma is not \sigma
-    return normalize_text(pred) == normalize_text(gold) != ""
+    """Numbers exactly (1/3 is not 0.33); text SQuAD-normalised when both sides are words without math
+    operators ('Paris, Texas', 'Catch-22'); math as LaTeX strings, or by math-verify except where it misreads:
+    '1 2' (as 3), unbalanced braces, words, a set vs a tuple, case."""
+    p, g = to_number(pred), to_number(gold)
+    if (p is None) != (g is None):  # one side is a bare number: the other may have a unit or noun after it
+        p, g = (to_number(pred, True) if p is None else p), (to_number(gold, True) if g is None else g)
+    if p is not None and g is not None:
+        return p == g
+    words = [bool(re.search(r"[a-zA-Z]{2}", s)) and not re.search(r"[\\^_{}=<>+*/|]", s) for s in (pred, gold)]
+    if any(words):
+        return all(words) and normalize_text(pred) == normalize_text(gold) != ""
+    if strip_latex(pred) == strip_latex(gold) != "":
+        return True
+    misread = [len(s) > SYMPY_MAX or last_boxed(f"\\boxed{{{s}}}") != s or re.search(r"\d(\s|\\[ ,;:])+\d", s)
+               or re.search(r"(?<![\\a-zA-Z{])[a-zA-Z]{3}", s) for s in (pred, gold)]  # a word: '5 because 3! = 6'
+    sets = {s.startswith("\\{") for s in (pred, gold) if s[:1] in "([\\"}  # it takes {1, 2} for (1, 2)
+    capitals = [sorted(re.findall("[A-Z]", s)) for s in (pred, gold)]  # it reads \Sigma as \sigma
+    if not pred or any(misread) or len(sets) > 1 or capitals[0] != capitals[1]:
+        return False
+    return math_verify_equal(gold, pred)
 
 
 def rule_reward(answer: str, ground_truth: str) -> float:
-    """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0.
-    Whole answers only, so there are no substring traps: '1444' does not match '144', 'Paris, Texas' does
-    not match 'Paris', '(-1, 2)' does not match '(1, 2)'."""
-    def drop_lhs(a: str) -> str:  # 'x = 5' -> '5', on both sides so 'y=2x+1' still matches 'y = 2x+1'
-        return re.sub(r"^\s*[a-zA-Z]\s*=\s*", "", a)
-
-    pred = drop_lhs(extract_answer(answer))
-    golds = [drop_lhs(g.strip()) for g in str(ground_truth).split("; ") if g.strip()]
-    return float(any(answers_match(pred, gold) for gold in golds))
+    """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0. Whole answers
+    only, no substring traps: '1444' is not '144', 'Paris, Texas' is not 'Paris', '(-1, 2)' is not '(1, 2)'.
+    Both sides get one spelling (SPELLINGS) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
+    pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", s.translate(SPELLINGS)).strip()
+                    for s in [extract_answer(answer), *str(ground_truth).split("; ")]]
+    return float(any(answers_match(pred, g) for g in golds if g))
 
 
 def judge_prompt(question: str, answer: str, ground_truth: str) -> str:

@@ -2151,3 +2151,197 @@ def test_second_ctrl_c_stops_a_run_stuck_on_a_hung_server(tmp_path, sample_data,
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+# ==== judge: a labelled table of outputs shaped like DeepMath-103K, AIME and Natural Questions ====
+# Labels come from reading each (answer, gold) pair, not from running the judge. Each gold lists answers a
+# grader should accept (many surface forms) and ones it must reject (off by one, sign flips, rounding, another
+# entity). Every form is shown inside a rotating choice of the ways a model presents a final answer.
+
+DEEPMATH = [  # (gold, correct, wrong)
+    (r"\frac{1}{2}", [r"\frac{1}{2}", "1/2", "0.5", r"\dfrac{1}{2}", r"\frac12"], [r"\frac{1}{3}", r"-\frac{1}{2}", "2"]),
+    (r"2\sqrt{3}", [r"2\sqrt{3}", r"\sqrt{12}", r"2 \sqrt 3", r"2\cdot\sqrt{3}"], [r"\sqrt{3}", r"3\sqrt{2}", r"-2\sqrt{3}"]),
+    (r"10^{3}", ["1000", "10^3", r"10^{3}", "1,000"], ["999", r"10^{4}", "100"]),
+    (r"e^{-1}", [r"\frac{1}{e}", "1/e", r"e^{-1}", r"\exp(-1)"], ["e", r"-e^{-1}", r"e^{-2}"]),
+    (r"\infty", [r"\infty", r"+\infty", "∞"], [r"-\infty", "0", "1"]),
+    (r"\pi", [r"\pi", "π"], [r"2\pi", r"\frac{\pi}{2}", "3.14"]),
+    (r"\frac{\pi}{4}", [r"\frac{\pi}{4}", r"\pi/4", r"\dfrac{\pi}{4}", r"\frac{1}{4}\pi"], [r"\frac{\pi}{2}", r"-\frac{\pi}{4}", r"\frac{\pi}{3}"]),
+    (r"\{1, 2, 3\}", [r"\{1,2,3\}", r"\{3, 2, 1\}", r"\{2,1,3\}"], [r"\{1,2\}", r"\{1,2,4\}", r"\{-1,2,3\}"]),
+    ("(-1, 2)", ["(-1, 2)", "(-1,2)", r"\left(-1, 2\right)"], ["(1, 2)", "[-1, 2]", "(-1, 3)", "(-2, 1)"]),
+    (r"[0, \infty)", [r"[0,\infty)", r"[0, +\infty)", r"\left[0, \infty\right)"], [r"(0, \infty)", r"[1, \infty)", r"(-\infty, 0]"]),
+    (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", [r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", r"\begin{bmatrix} 1 & 2 \\ 3 & 4 \end{bmatrix}"],
+     [r"\begin{pmatrix}1&3\\2&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&5\end{pmatrix}"]),
+    ("5!", ["120", "5!", r"1 \cdot 2 \cdot 3 \cdot 4 \cdot 5"], ["24", "5", "6!"]),
+    (r"\binom{10}{3}", ["120", r"\binom{10}{3}", r"\binom{10}{7}"], [r"\binom{10}{4}", "720", "30"]),
+    ("6", ["6", "3!", "6.0"], ["5", "7", "-6"]),
+    (r"\frac{3}{4}", [r"\frac34", "0.75", "3/4", r"\tfrac{3}{4}"], [r"\frac{4}{3}", "0.7", r"\frac{3}{5}"]),
+    (r"\sqrt{2}", [r"\sqrt{2}", r"\sqrt 2", "2^{1/2}", r"\frac{2}{\sqrt{2}}"], ["2", r"\sqrt{3}", "1.41"]),
+    (r"\frac{1}{3}", [r"\frac{1}{3}", "1/3", r"\frac{2}{6}"], ["0.33", "0.333", r"\frac{1}{4}", "3"]),
+    ("-2", ["-2", "\u22122", "x = -2"], ["2", "-3", "-1"]),
+    (r"2^{20}", ["1048576", "2^{20}", "1,048,576", "4^{10}"], ["1048575", "2^{21}", "1048577"]),
+    ("(x+1)^2", ["(x+1)^2", "x^2+2x+1", "(1+x)^{2}"], ["x^2+1", "(x-1)^2", "x^2+2x+2"]),
+    ("y = 2x + 1", ["y=2x+1", "y = 1 + 2x"], ["y = 2x - 1", "y = x + 1"]),
+    ("0", ["0", "0.0", "-0"], ["1", "-1", r"\emptyset"]),
+    (r"\ln 2", [r"\ln 2", r"\ln(2)"], [r"\ln 3", "2", r"-\ln 2"]),
+    ("e", ["e", "e^{1}"], ["e^2", "1", r"\pi"]),
+    (r"\frac{\sqrt{3}}{2}", [r"\frac{\sqrt{3}}{2}", r"\sqrt{3}/2", r"\frac{\sqrt3}{2}", r"\frac{1}{2}\sqrt{3}"], [r"\frac{\sqrt{2}}{2}", r"\frac{1}{2}", r"\sqrt{3}"]),
+    ("2", ["2", "2.0", r"\frac{4}{2}", r"\sqrt{4}"], ["-2", "3", "2.01"]),
+    ("12", [r"12 \text{cm}", r"12\text{ cm}", "12"], [r"13 \text{ cm}", "120"]),
+    (r"\dfrac{5}{2}", ["2.5", "5/2", r"\frac{5}{2}"], ["2.4", r"\frac{2}{5}", r"-\frac{5}{2}"]),
+    (r"\text{Yes}", ["Yes", "yes", r"\text{Yes}", "YES"], ["No", "no"]),
+    ("x > 3", ["x>3", "3 < x"], ["x < 3", r"x \geq 3", "x > -3"]),
+    (r"-\frac{1}{2}", [r"-\frac{1}{2}", "-0.5", "-1/2", r"\frac{-1}{2}"], [r"\frac{1}{2}", "0.5", "-2"]),
+    ("1.5", [r"\frac{3}{2}", "1.50", "3/2"], ["1.05", "15", r"\frac{2}{3}"]),
+    (r"4\pi", [r"4\pi", r"4 \pi", r"\pi \cdot 4"], [r"2\pi", "4", r"\pi^4"]),
+    (r"\frac{1}{1-x}", [r"\frac{1}{1-x}", "(1-x)^{-1}", r"-\frac{1}{x-1}"], [r"\frac{1}{1+x}", r"\frac{1}{x-1}"]),
+]
+MATH_SHOWN = ["<answer>{}</answer>", "Simplifying step by step.\nSo the result is $\\boxed{{{}}}$.",
+              "Putting it together, the answer is ${}$.", "**Answer:** ${}$", "<answer>The answer is {}.</answer>",
+              "Let me check once more.\n<answer>{}"]
+MATH_HANDMADE = [  # the traps named in the issue, written out
+    ("Since $3! = 6$ orderings are possible... no, two coincide.\n<answer>5</answer>", "6", 0),
+    ("$3!$ ways, so <answer>5</answer>", "6", 0),
+    ("<answer>6</answer> Actually no: <answer>7</answer>", "6", 0),
+    ("<answer>6</answer> Actually no: <answer>7</answer>", "7", 1),
+    ("First $\\boxed{5}$, but correcting the sign: $\\boxed{-5}$", "5", 0),
+    ("<answer>5</answer>\n<answer>6", "6", 1),
+    ("We get $x = \\frac{1}{2}$ from the first equation.\n<answer>\\frac{1}{4}</answer>", "\\frac{1}{2}", 0),
+    ("<answer>5 because 3! = 6</answer>", "6", 0), ("<answer>5 (not 6)</answer>", "6", 0),
+    ("<answer>5 ways, not 6</answer>", "6", 0), ("<answer>\\text{between } 5 \\text{ and } 7</answer>", "6", 0),
+    ("<answer>1 2</answer>", "3", 0), ("<answer>\\pm 5</answer>", "5", 0), ("<answer>X^2</answer>", "x^2", 0),
+    ("<answer>\\{1, 2\\}</answer>", "(1, 2)", 0), ("<answer>x = 2 or x = 3</answer>", "\\{2, 3\\}", 1),
+    ("<answer>3.46</answer>", "2\\sqrt{3}", 0), ("<answer>0 < x < 1</answer>", "[0,1]", 0),
+    ("<answer>x \\in [0, 1]</answer>", "[0,1]", 1), ("<answer>n(n+1)/2</answer>", "\\frac{n(n+1)}{2}", 1),
+    ("<answer>n(n-1)/2</answer>", "\\frac{n(n+1)}{2}", 0),
+]
+
+AIME_GOLDS = [0, 1, 5, 7, 17, 45, 73, 100, 144, 204, 321, 500, 777, 999]
+AIME_RIGHT = ["{}", "${}$", "\\boxed{{{}}}", "{}.", "**{}**", "{} ways", "$m+n = {}$", "{:03d}", "\\text{{{}}}", "{}.0"]
+AIME_WRONG = [lambda g: g + 1, lambda g: g - 1, lambda g: -g if g else 1, lambda g: 10 * g + 4, lambda g: f"{g} or {g + 1}"]
+AIME_SHOWN = ["<answer>{}</answer>", "<answer>The answer is {}.</answer>", "... so the final answer is {}.",
+              "Answer: {}", "<answer>{}", "Counting the cases gives the total.\n\n{}"]
+AIME_HANDMADE = [
+    ("I first got 204, then found an overcount.\n<answer>203</answer>", "204", 0),
+    ("<answer>204</answer>", "2040", 0), ("<answer>1444</answer>", "144", 0), ("<answer>14</answer>", "144", 0),
+    ("<answer>seven</answer>", "7", 1),  # right, but spelled out: a known miss
+    ("<answer>seventeen</answer>", "7", 0),
+    ("<answer>2.04 \\times 10^2</answer>", "204", 1),
+    ("The answer is $\\boxed{73}$.", "73", 1), ("<answer>73</answer> (I am fairly sure; 72 was close)", "73", 1),
+]
+
+NQ = [  # (gold as stored, with "; " between accepted answers, correct, wrong)
+    ("Barack Obama", ["Barack Obama", "barack obama", "Barack Obama."], ["Michelle Obama", "George W. Bush", "Barack Obama Sr."]),
+    ("Paris", ["Paris", "paris", "PARIS"], ["Paris, Texas", "Lyon", "Parish"]),
+    ("7; seven", ["7", "seven", "Seven"], ["seventeen", "8", "70"]),
+    ("1,454 feet", ["1,454 feet", "1454 feet", "1,454"], ["1,453 feet", "1,454 meters", "145 feet", "14,540 feet"]),
+    ("March 3, 1945", ["March 3, 1945", "march 3 1945", "March 3 1945"], ["March 4, 1945", "March 3, 1946", "May 3, 1945"]),
+    ("the Eiffel Tower", ["Eiffel Tower", "The Eiffel Tower", "eiffel tower"], ["Tower of London", "the Louvre"]),
+    ("United States; USA; US", ["United States", "USA", "the United States", "US"], ["United Kingdom", "Canada", "United States Navy"]),
+    ("7", ["7 episodes", "7", "seven"], ["8 episodes", "17", "7 million"]),
+    ("George Washington", ["George Washington", "george washington"], ["George Washington Carver", "John Adams"]),
+    ("Catch-22", ["Catch-22", "Catch 22", "catch-22"], ["Catch-23", "22"]),
+    ("\u221289.2 °C", ["-89.2 °C", "\u221289.2 °C"], ["89.2 °C", "-89.3 °C"]),
+    ("yes", ["Yes", "yes.", "\\text{Yes}"], ["No", "no"]),
+    ("Queen Elizabeth II; Elizabeth II", ["Elizabeth II", "Queen Elizabeth II"], ["Elizabeth I", "Queen Elizabeth I", "Queen Victoria"]),
+    ("Apollo 11", ["Apollo 11", "apollo 11"], ["Apollo 13", "Apollo 1"]),
+    ("1 Kings", ["1 Kings"], ["2 Kings", "1 Corinthians"]),
+    ("William Shakespeare; Shakespeare", ["William Shakespeare", "Shakespeare"], ["Christopher Marlowe", "William Wordsworth"]),
+    ("Mount Everest", ["Mount Everest", "mount everest"], ["K2", "Mount Kilimanjaro"]),
+    ("2.5 million", ["2.5 million"], ["3.5 million", "25 million", "2.5 billion"]),
+    ("Jupiter", ["Jupiter", "JUPITER"], ["Saturn", "Jupiter's moon Io"]),
+    ("Tokyo", ["Tokyo", "Tokyo."], ["Kyoto", "Osaka"]),
+    ("1969", ["1969", "1969."], ["1968", "1970", "969"]),
+    ("Toni Morrison", ["Toni Morrison"], ["Maya Angelou", "Morrison Hotel"]),
+    ("Leonardo da Vinci; da Vinci", ["Leonardo da Vinci", "Da Vinci"], ["Leonardo DiCaprio", "Michelangelo"]),
+    ("the Pacific Ocean; Pacific", ["Pacific Ocean", "the Pacific", "Pacific"], ["Atlantic Ocean", "Indian Ocean"]),
+    ("Harper Lee", ["Harper Lee"], ["Lee Harper", "Stan Lee"]),
+    ("December 7, 1941", ["December 7, 1941", "December 7 1941"], ["December 8, 1941", "December 7, 1942"]),
+]
+NQ_SHOWN = ["<answer>{}</answer>", "<answer>The answer is {}.</answer>", "According to the search results, the answer is {}.",
+            "**Answer:** {}", "<answer>{}", "<answer>\\boxed{{{}}}</answer>", "Based on the retrieved pages:\n{}"]
+NQ_HANDMADE = [
+    ("Some sources say Barack Obama, but it was <answer>Michelle Obama</answer>", "Barack Obama", 0),
+    ("<answer>Barack Obama</answer>", "Michelle Obama", 0),
+    ("<answer>Obama, Barack and Michelle</answer>", "Barack Obama", 0),
+    ("<answer>Paris</answer> is in France; <answer>Paris, Texas</answer>", "Paris", 0),
+    ("The search returned Lyon first.\n<answer>Paris</answer>", "Paris", 1),
+]
+
+
+def judge_table():
+    """[(source, output, gold, label)]: every form shown inside two of the presentations (rotating), and
+    every wrong form also after the right answer was said earlier."""
+    rows, k = [], 0
+    for source, items, shown in (("deepmath", DEEPMATH, MATH_SHOWN), ("nq", NQ, NQ_SHOWN)):
+        for gold, right, wrong in items:
+            for label, forms in ((1, right), (0, wrong)):
+                for form in forms:
+                    for _ in range(2):
+                        rows.append((source, shown[k % len(shown)].format(form), gold, label))
+                        k += 1
+            for form in wrong:
+                first = right[0] if source == "nq" else f"${right[0]}$"
+                rows.append((source, f"At first I had {first}, then I found a mistake.\n<answer>{form}</answer>", gold, 0))
+    for g in AIME_GOLDS:
+        for i, form in enumerate(AIME_RIGHT):
+            rows.append(("aime", AIME_SHOWN[(g + i) % len(AIME_SHOWN)].format(form.format(g)), str(g), 1))
+        for i, wrong in enumerate(AIME_WRONG):
+            rows.append(("aime", AIME_SHOWN[(g + i) % len(AIME_SHOWN)].format(wrong(g)), str(g), 0))
+    rows += [("deepmath", *r) for r in MATH_HANDMADE] + [("aime", *r) for r in AIME_HANDMADE]
+    return rows + [("nq", *r) for r in NQ_HANDMADE]
+
+
+def test_judge_table_has_no_false_positives_and_high_accuracy():
+    rows = judge_table()
+    assert len(rows) >= 300 and len({r[1:3] for r in rows}) > 0.95 * len(rows)
+    misses = {}
+    for source in ("deepmath", "aime", "nq"):
+        mine = [r for r in rows if r[0] == source]
+        scored = [(out, gold, label, fg.rule_reward(out, gold)) for _, out, gold, label in mine]
+        false_pos = [s for s in scored if s[3] == 1.0 and s[2] == 0]
+        misses[source] = [s for s in scored if s[3] != s[2]]
+        acc = 1 - len(misses[source]) / len(scored)
+        print(f"{source}: {len(scored)} pairs, accuracy {acc:.1%}, false positives {len(false_pos)}")
+        assert not false_pos, false_pos
+        assert acc >= 0.95, misses[source]
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
+def test_rule_reward_is_fast_on_adversarial_megabyte_outputs(monkeypatch):
+    """Every input is handled in linear time: a 1 MB run of whitespace between words took hours and 1 MB of
+    unclosed <answer> tags ~18 min before extraction looked only at the tail and the patterns were anchored.
+    Each case runs at 64 KB first, where a quadratic pattern already fails the limit without hanging the test.
+    math-verify is replaced by a recorder: it only ever sees answers of at most SYMPY_MAX characters, and its
+    own time is bounded by SYMPY_TIMEOUT_S (test_math_verify_works_from_threads_and_a_hung_comparison_is_killed)."""
+    asked = []
+    monkeypatch.setattr(fg, "math_verify_equal", lambda gold, pred: asked.append((gold, pred)) or False)
+    cases = [("", " ", "Paris", "Paris"), ("x", " ", "y", "x y"), ("1", " ", "x", "1"), ("<answer>x", " ", "y</answer>", "x y"),
+             ("", "<answer>", "", "144"), ("", "<answer>", "144", "144"), ("", "\\boxed{", "", "1"), ("", "1", "", "1"),
+             ("", "the answer is ", "", "1"), ("", "9", "!", "1"), ("", "- ", "", "1"), ("", "1 ", "", "1"),
+             ("<answer>", "x", "", "x"), ("", "\\text{", "", "1"), ("", "1\\,", "", "1"), ("", "1,", "", "1"),
+             ("", "-", "5", "5"), ("", "{", "", "1"), ("", "(", "", "(1, 2)"), ("", "1.", "", "1"), ("", "\n", "", "1"),
+             ("", "a-", "", "a"), ("", "\t\n", "7", "7"), ("", "x^", "2", "x^2"), ("", "\\left(", "1", "1")]
+    for size in (1 << 16, 1 << 20):
+        for start, unit, end, gold in cases:
+            out = start + unit * (size // len(unit)) + end
+            best = min(timed(fg.rule_reward, out, gold)[1] for _ in range(3))  # best of 3: the CPU is shared
+            assert best < 0.05, (size, start, unit, end, gold, best)
+    assert asked and all(len(s) <= fg.SYMPY_MAX for pair in asked for s in pair)
+
+
+def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypatch):
+    # its own timeouts (SIGALRM) raise outside the main thread: rule_reward must not use them
+    rows = [r for r in judge_table() if r[0] == "deepmath"][:60]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda r: fg.rule_reward(r[1], r[2]), rows))
+    assert threaded == [fg.rule_reward(r[1], r[2]) for r in rows] == [float(r[3]) for r in rows]
+    # sympy would compute 10^(10^10) for hours: the worker is killed after SYMPY_TIMEOUT_S, the answer is 0
+    monkeypatch.setattr(fg, "SYMPY_TIMEOUT_S", 1.0)
+    fg.rule_reward("<answer>x+1</answer>", "1+x")  # make sure a worker is running
+    worker = fg._math_worker["proc"]
+    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")
+    assert verdict == 0.0 and seconds < 10 and worker.poll() is not None
+    assert fg.rule_reward("<answer>(x+1)^2</answer>", "x^2+2x+1") == 1.0  # a fresh worker answers
