@@ -106,7 +106,8 @@ class Config:
     eval: bool = False  # evaluate the planner greedily on --val-file and print accuracy
     benchmark: bool = False  # time lockstep vs one-at-a-time rollouts, remote concurrency, update memory
     learning_curve: bool = False  # train the tiny model on the toy task for 3 seeds, print reward per step
-    preset: str = ""  # 'smoke' = tiny random model, sample data, CPU, offline (other flags still override)
+    preset: str = ""  # 'smoke' = tiny random model; 'cpu' = SmolLM2-135M on arithmetic; both CPU, offline (flags override)
+    plot: bool = False  # reward, plan-parse rate, tool shares per step of --output-dir's run (table; PNG if matplotlib)
     # --- models and engines ---
     model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id or local path ('tiny' = random tiny Qwen2)
     adapter: str = ""  # a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training
@@ -157,6 +158,8 @@ class Config:
     lora_alpha: int = 32  # LoRA alpha (scale = alpha / r)
     lora_dropout: float = 0.0  # LoRA dropout (0: keeps ratio == 1 before the first update; see header)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules that get LoRA
+    sft_steps: int = 0  # SFT warm start: steps on format-only plans (tool drawn at random) before GRPO
+    sft_lr: float = 1e-4  # learning rate of the SFT warm start (its own AdamW, constant)
     # --- bookkeeping ---
     seed: int = 42  # seed of data order, sampling and initialisation
     output_dir: str = "runs/flow_grpo"  # metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here
@@ -172,6 +175,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         val_file="data/sample/val/aime24.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
         batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
         lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
+    ),
+    # A real model, offline on a 2-core CPU: learn to route exact arithmetic to Python. One turn (the tool
+    # choice is the whole decision), short limits, and no KL term: the reference (adapter off) is the base,
+    # which writes no parseable plan, so a pull towards it would undo the SFT warm start.
+    "cpu": dict(
+        model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
+        val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
+        batch_size=4, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
+        kl_coef=0.0, lr=1e-4, warmup_steps=2, max_steps=40, save_every=10, sft_steps=20, sft_lr=1e-3,
+        tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu",
     ),
 }
 
@@ -213,9 +226,9 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
                           ("device", ("auto", "cuda", "cpu"))]:
         if getattr(cfg, name) not in choices:
             parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
-    modes = [m for m in ("ask", "eval", "benchmark", "learning_curve") if getattr(cfg, m)]
+    modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
     if len(modes) > 1:
-        parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve (got {len(modes)})")
+        parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve, --plot (got {len(modes)})")
     tools = tool_names(cfg)
     if not tools or any(t not in TOOL_CLASSES for t in tools):
         parser.error(f"--tools must name one or more of {sorted(TOOL_CLASSES)}, not {cfg.tools!r}")
@@ -2107,20 +2120,21 @@ def load_questions(path: str, limit: int = 0) -> list[dict]:
 
 
 def ensure_sample_data(cfg: Config) -> None:
-    """The smoke preset's data is built offline on first use by prepare_data.py's --sample writer - only at
-    the preset's own paths, never over a file the user named."""
-    smoke = PRESETS["smoke"]
-    missing = [(p, d) for p, d in ((cfg.train_file, smoke["train_file"]), (cfg.val_file, smoke["val_file"]))
-               if not Path(p).exists() and p == d]
+    """A preset's data is built offline on first use by prepare_data.py (smoke: its --sample writer; cpu: its
+    --arithmetic generator, always seed 42 so every run holds out the same questions) - only at the preset's
+    own paths, never over a file the user named."""
+    own = PRESETS.get(cfg.preset, {})
+    missing = [p for p, key in ((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))
+               if p == own.get(key) and not Path(p).exists()]
     if not missing:
         return
     import prepare_data
 
-    train, val = prepare_data.build_sample(seed=cfg.seed)
+    train, val = prepare_data.build_arithmetic() if cfg.preset == "cpu" else prepare_data.build_sample(seed=cfg.seed)
     for path, rows in ((cfg.train_file, train), (cfg.val_file, val)):
-        if (path, path) in missing:
+        if path in missing:
             prepare_data.write_dataset(rows, path)
-            log(f"wrote the offline sample set: {path} ({len(rows)} rows)")
+            log(f"wrote the offline {cfg.preset} data: {path} ({len(rows)} rows)")
 
 
 @dataclass
@@ -2353,14 +2367,30 @@ def trim_jsonl(path: Path, max_step: int) -> None:
         path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def trajectory_metrics(states: list[AgentState]) -> dict:
-    """Counts over a batch of trajectories: turns, parse failures, tool calls per tool, tool errors."""
-    stats = sum((st.stats for st in states), Counter())
-    turns = sum(len(st.turns) for st in states)
-    return {"turns_per_traj": turns / max(1, len(states)),
-            "plan_parse_fail": stats["parse_fail:plan"] / max(1, turns),
-            "tool_error_rate": stats["tool_error"] / max(1, turns),
-            "tool_calls": {k.split(":", 1)[1]: v for k, v in sorted(stats.items()) if k.startswith("tool:")}}
+def agent_counts(states: list[AgentState], tools: dict) -> Counter:
+    """What the agent did, for --eval's last line and the per-step metrics: planner turns and plans parsed;
+    calls asked of the executor (plans naming a real tool; tool:<name> per tool) and calls valid (parsed in
+    the tool's own call schema); the frozen roles' structured outputs (an analysis per question, a call per
+    request, a verdict per turn) and how many parsed."""
+    c = Counter()
+    for st in states:
+        asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
+        c.update(f"tool:{t.plan.tool_name}" for t in asked)
+        structured = 1 + len(asked) + len(st.turns)
+        failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
+        c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
+                 calls_valid=sum(t.call is not None for t in asked),
+                 tool_errors=st.stats["tool_error"], structured=structured, structured_valid=structured - failed)
+    return c
+
+
+def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
+    """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
+    c = agent_counts(states, tools)
+    return {"turns_per_traj": c["turns"] / max(1, c["questions"]), "plan_parse_rate": c["plans"] / max(1, c["turns"]),
+            "tool_call_valid": c["calls_valid"] / max(1, c["calls"]), "tool_error_rate": c["tool_errors"] / max(1, c["turns"]),
+            "structured_valid": c["structured_valid"] / max(1, c["structured"]),
+            "tool_share": {name: c[f"tool:{name}"] / max(1, c["calls"]) for name in tools}}
 
 
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
@@ -2389,7 +2419,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
 
     gen_tokens = sum(len(r.action_ids) for r in rows)
     metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd,
-               "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states),
+               "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),
                "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr,
                "rollout_s": rollout_s, "update_s": update_s,
                "planner_tokens_per_s": gen_tokens / max(1e-9, timings.get("planner", 0.0)),
@@ -2429,6 +2459,44 @@ class GracefulInterrupt:
         return False
 
 
+def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
+    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens.
+    action_logprobs reads logits of action columns only, so no prompt position can enter the loss."""
+    return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
+
+
+def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
+    """--sft-steps: teach the planner the plan FORMAT before GRPO. Demonstrations: the exact turn-1 prompt
+    of a rollout (the frozen role's real query analysis included) -> {"sub_goal": question, "tool_name": a tool
+    drawn uniformly, redrawn every step} + EOS. Which tool is right is never shown: the reward must teach it.
+    Its own AdamW at a constant --sft-lr, so GRPO starts with fresh moments and its own warmup."""
+    rng = random.Random(f"sft-{cfg.seed}")
+    pool = [r["question"] for r in rng.sample(rows, min(len(rows), cfg.batch_size * cfg.group_size))]
+    analyses = fixed.generate([analysis_prompt(q, tools) for q in pool], schema=QueryAnalysis)
+    texts = [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]  # as solve_batch
+    prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
+                            add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t in zip(pool, texts)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay)
+    model.train()
+    losses = []
+    for step in range(1, cfg.sft_steps + 1):
+        actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": rng.choice(list(tools))}),
+                                          add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+                   for q in pool]
+        n_tokens, total = sum(len(a) for a in actions), 0.0
+        optimizer.zero_grad(set_to_none=True)
+        for i in range(0, len(pool), cfg.micro_batch_size):  # accumulate: the sum over chunks is the batch loss
+            loss = sft_loss(model, prompt_ids[i:i + cfg.micro_batch_size], actions[i:i + cfg.micro_batch_size], n_tokens)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        losses.append(total)
+        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}")
+    return losses
+
+
 def train(cfg: Config) -> Path:
     """The main loop. Returns the folder of the last checkpoint."""
     from tqdm import tqdm
@@ -2454,6 +2522,9 @@ def train(cfg: Config) -> Path:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         trim_jsonl(out_dir / name, start)
+    if cfg.sft_steps > 0 and latest_checkpoint(out_dir) is None:  # a fresh run: warm-start, then checkpoint-0
+        sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
+        save_checkpoint(out_dir, 0, model, optimizer, scheduler, data, rng_state(), cfg)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
@@ -2540,13 +2611,14 @@ def build_agent(cfg: Config, device: str):
 
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
-    """Greedy solve of the validation set; prints accuracy overall and per source."""
+    """Greedy solve of the validation set. The LAST stdout line says what happened, in counts:
+    eval: accuracy A/N, plans parsed P/T, tool calls valid V/C, structured outputs valid F/R"""
     from tqdm import tqdm
 
     rows = load_questions(cfg.val_file, cfg.eval_limit)
     _, _, fixed, tools, planner = build_agent(cfg, device)
     judge = make_judge(cfg, fixed)
-    correct: list[float] = []
+    correct, c = [], Counter()
     for i in tqdm(range(0, len(rows), batch), desc="eval", dynamic_ncols=True):
         chunk = rows[i:i + batch]
         states = solve_batch([r["question"] for r in chunk], planner=planner.generate, fixed=fixed, tools=tools,
@@ -2554,16 +2626,13 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
         rewards, _ = judge_rewards([r["question"] for r in chunk], [st.final_output for st in states],
                                    [r["answer"] for r in chunk], judge)
         correct += rewards
-    by_source: dict[str, list[float]] = {}
-    for r, c in zip(rows, correct):
-        by_source.setdefault(r["source"], []).append(c)
-    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct),
-              "by_source": {s: sum(v) / len(v) for s, v in sorted(by_source.items())},
+        c += agent_counts(states, tools)
+    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c),
               "adapter": cfg.adapter or "(base model)"}
-    print(f"accuracy {result['accuracy']:.3f} on {len(correct)} questions from {cfg.val_file} "
-          f"(planner: {result['adapter']})")
-    for s, acc in result["by_source"].items():
-        print(f"  {s}: {acc:.3f} ({len(by_source[s])} questions)")
+    print(f"accuracy {result['accuracy']:.3f} on {cfg.val_file} (planner: {result['adapter']}); tool calls asked: "
+          + (", ".join(f"{name} {c[f'tool:{name}']}" for name in tools)))
+    print(f"eval: accuracy {round(sum(correct))}/{len(correct)}, plans parsed {c['plans']}/{c['turns']}, tool calls "
+          f"valid {c['calls_valid']}/{c['calls']}, structured outputs valid {c['structured_valid']}/{c['structured']}")
     return result
 
 
@@ -2717,6 +2786,27 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
     return report
 
 
+def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
+    """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plt.figure()
+    for name, values in series.items():
+        plt.plot(steps, values, label=name)
+    plt.xlabel("training step")
+    plt.ylabel(ylabel)
+    plt.title(title)
+    plt.legend()
+    plt.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> list[list[float]]:
     """--learning-curve: the toy task for 3 seeds; prints reward per step (a text chart) and, when matplotlib
     is installed, writes <output_dir>/learning_curve.png."""
@@ -2729,28 +2819,36 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
     for t in range(steps):
         mean = sum(c[t] for c in curves) / len(curves)
         print(f"{t + 1:4d}  " + "  ".join(f"{c[t]:5.2f}" for c in curves) + f"  {mean:5.2f}  " + "#" * round(40 * mean))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return curves
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    for s, c in zip(seeds, curves):
-        plt.plot(range(1, steps + 1), c, label=f"seed {s}")
-    plt.xlabel("training step")
-    plt.ylabel("mean reward (share of digits)")
-    plt.title("Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
-    plt.legend()
-    plt.savefig(Path(cfg.output_dir) / "learning_curve.png", dpi=100)
-    print(f"wrote {Path(cfg.output_dir) / 'learning_curve.png'}")
+    save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
+             {f"seed {s}": c for s, c in zip(seeds, curves)}, "mean reward (share of digits)",
+             "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
     return curves
+
+def plot_run(cfg: Config) -> list[dict]:
+    """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir, as a text
+    table on stdout and, when matplotlib is installed, <output_dir>/curve.png."""
+    path = Path(cfg.output_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"error: {path} not found; train with this --output-dir first")
+    steps = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    tools = sorted({name for m in steps for name in m.get("tool_share", {})})
+    series = {"reward": [m["reward_mean"] for m in steps], "plans parsed": [m["plan_parse_rate"] for m in steps],
+              **{f"{t.split('_')[0]} share": [m["tool_share"].get(t, 0.0) for m in steps] for t in tools}}
+    print("step  " + "  ".join(f"{k:>16s}" for k in series))
+    for i, m in enumerate(steps):
+        print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
+    save_png(Path(cfg.output_dir) / "curve.png", [m["step"] for m in steps], series, "mean / share per step",
+             f"Flow-GRPO run in {cfg.output_dir}")
+    return steps
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = parse_config(argv)
     if cfg.learning_curve:  # always the tiny model on CPU: no GPU check
         learning_curve(cfg)
+        return 0
+    if cfg.plot:  # reads a finished run's metrics.jsonl: no model
+        plot_run(cfg)
         return 0
     device = pick_device(cfg)
     if device == "cuda" and not torch.cuda.is_available():
@@ -2761,7 +2859,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
               f"--preset smoke (or force --device cpu)", file=sys.stderr)
         return 2
-    if cfg.preset == "smoke":
+    if cfg.preset:
         ensure_sample_data(cfg)
     if cfg.ask:
         ask(cfg, device)
