@@ -1748,7 +1748,7 @@ def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, samp
     a = [json.loads(ln) for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in a] == [1, 2]
     for key in ("reward_mean", "loss", "kl", "clip_frac", "ratio_mean", "zero_std_frac", "turns_per_traj",
-                "plan_parse_fail", "tool_calls", "rollout_s", "update_s", "planner_tokens_per_s"):
+                "plan_parse_rate", "tool_call_valid", "tool_share", "rollout_s", "update_s", "planner_tokens_per_s"):
         assert key in a[0], key
     assert a[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and a[0]["reward_mean"] == 0.5
     assert a[0]["grad_norm"] > 0 and a[1]["kl"] > 0  # step 1 moved the adapter away from the base
@@ -1813,3 +1813,123 @@ def test_cli_smoke_ask_prints_the_trajectory():
                  "VERIFIER:", "FINAL: <answer>", "ANSWER:"):
         assert part in out.stdout, part
     assert time.perf_counter() - t0 < 60
+
+
+# ==== recipe: SFT warm start, the cpu preset's arithmetic, eval counts, --plot ====
+
+
+def test_sft_loss_is_the_hand_computed_cross_entropy_of_action_tokens_only(tiny):
+    model, tok = tiny
+    prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([11, 12])]  # different lengths: padding in play
+    actions = [torch.tensor([20, 21, 22]), torch.tensor([30, tok.eos_token_id])]
+    with torch.no_grad():
+        loss = fg.sft_loss(model, prompts, actions, n_tokens=5)
+        hand = 0.0
+        for p, a in zip(prompts, actions):  # each row alone, unpadded, full-sequence logits
+            logp_LV = torch.log_softmax(model(input_ids=torch.cat([p, a])[None]).logits[0].float(), -1)
+            hand -= sum(logp_LV[len(p) - 1 + j, a[j]].item() for j in range(len(a)))
+        assert loss.item() == pytest.approx(hand / 5, rel=1e-4)
+        # Moving the first action token into the prompt removes exactly its term: prompt positions never count.
+        moved = fg.sft_loss(model, [torch.cat([prompts[0], actions[0][:1]]), prompts[1]],
+                            [actions[0][1:], actions[1]], n_tokens=5)
+        first = torch.log_softmax(model(input_ids=prompts[0][None]).logits[0, -1].float(), -1)[actions[0][0]]
+        assert moved.item() == pytest.approx(loss.item() + first.item() / 5, rel=1e-4)
+
+
+def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch):
+    cfg = fg.Config(model="tiny", device="cpu", batch_size=3, group_size=2, micro_batch_size=4, sft_steps=6,
+                    sft_lr=1e-2, max_turns=2, tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
+                    lora_targets=fg.Config.lora_targets + ",lm_head")  # a 64-wide random model needs its head
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
+    seen, real = [], fg.sft_loss
+    monkeypatch.setattr(fg, "sft_loss", lambda m, p, a, n: seen.append((p, a)) or real(m, p, a, n))
+    losses = fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(30)], cfg)
+    assert len(losses) == 6 and losses[-1] < 0.7 * losses[0]
+    prompts = [p for ps, _ in seen for p in ps]
+    plans = [json.loads(tok.decode(a[:-1])) for _, acts in seen for a in acts]
+    assert len(plans) == 6 * 6 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
+    # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
+    turn1 = []
+    fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps: turn1.extend(ps) or ["x"] * len(ps),
+                   fixed=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
+    assert [tok.decode(p) for p in prompts[:6]] == [fg.render_chat(tok, p) for p in turn1[:6]]
+    # ... and the tool is drawn uniformly: the demonstrations teach the format, not the choice.
+    share = Counter(p["tool_name"] for p in plans)
+    assert set(share) == set(tools) and min(share.values()) >= 0.3 * len(plans)
+
+
+def test_train_warm_starts_once_into_checkpoint_0(tmp_path, sample_data, monkeypatch):
+    calls, real = [], fg.sft_warm_start
+    monkeypatch.setattr(fg, "sft_warm_start", lambda *a: calls.append(1) or real(*a))
+    fg.train(smoke_cfg(tmp_path, sample_data, max_steps=0, sft_steps=1))
+    assert calls == [1] and fg.latest_checkpoint(tmp_path).name == "checkpoint-0"
+    fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1, sft_steps=1, resume=True))  # resumes: no second SFT
+    assert calls == [1] and fg.latest_checkpoint(tmp_path).name == "checkpoint-1"
+
+
+class CountingRoles(fg.Engine):
+    """Each frozen role by its prompt's opening; 'bad?' gets an unparseable tool call, 'junk?' an unparseable verdict."""
+    ROLES = {"You are the analyst": '{"concise_summary": "s", "required_skills": "r", "relevant_tools": "t"}',
+             "You are the executor": '{"tool_name": "Echo_Tool", "arguments": {"query": "q"}}',
+             "You are the verifier": '{"analysis": "x", "stop_signal": true}', "Answer the question": "<answer>144</answer>"}
+
+    def _complete(self, prompts, max_tokens, schema):
+        return ["not json" if ("bad?" in p and "executor" in p[:20]) or ("junk?" in p and "verifier" in p[:20])
+                else next(v for k, v in self.ROLES.items() if p.startswith(k)) for p in prompts]
+
+
+def counting_planner(prompt):
+    return "oops" if "junk?" in prompt else plan_json("Nope_Tool") if "nope?" in prompt else plan_json()
+
+
+def test_agent_counts_and_step_metrics():
+    states = fg.solve_batch(["ok?", "bad?", "junk?", "nope?"], planner=lambda ps: [counting_planner(p) for p in ps],
+                            fixed=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
+    c = fg.agent_counts(states, {"Echo_Tool": None})
+    assert (c["turns"], c["plans"], c["calls"], c["calls_valid"]) == (4, 3, 2, 1)
+    assert (c["structured"], c["structured_valid"]) == (4 + 2 + 4, 10 - 2)  # analyses + calls + verdicts
+    m = fg.trajectory_metrics(states, {"Echo_Tool": None, "Other_Tool": None})
+    assert m["plan_parse_rate"] == 0.75 and m["tool_call_valid"] == 0.5 and m["structured_valid"] == 0.8
+    assert m["tool_share"] == {"Echo_Tool": 1.0, "Other_Tool": 0.0}
+
+
+def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
+    rows = [prepare_data.make_row(q, a, "arithmetic", i) for i, (q, a) in enumerate(
+        [("ok?", "144"), ("bad?", "144"), ("junk?", "7"), ("nope?", "7")])]
+    prepare_data.write_dataset(rows, tmp_path / "val.parquet")
+    agent = (None, None, CountingRoles(), {"Echo_Tool": EchoTool()}, ScriptedEngine(counting_planner))
+    monkeypatch.setattr(fg, "build_agent", lambda cfg, device: agent)
+    fg.evaluate(fg.Config(val_file=str(tmp_path / "val.parquet"), max_turns=1), "cpu")
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "eval: accuracy 2/4, plans parsed 3/4, tool calls valid 1/2, structured outputs valid 8/10"
+
+
+def test_arithmetic_answers_are_computed_and_the_eval_split_held_out(tmp_path, monkeypatch):
+    train, val = prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30)
+    assert prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30) == (train, val)  # seeded
+    ops = {"times": lambda a, b: a * b, "+": lambda a, b: a + b, "minus": lambda a, b: a - b}
+    for r in train + val:
+        a, op, b = r["question"].removeprefix("What is ").removesuffix("?").split(" ")
+        assert r["result"] == str(ops[op](int(a), int(b))) and r["source"] == "arithmetic"
+    assert not {r["question"] for r in train} & {r["question"] for r in val}
+    assert [r["id"] for r in val] == list(range(30))
+    monkeypatch.chdir(tmp_path)  # the cpu preset writes its own files on first use, and only those
+    cfg = fg.parse_config(["--preset", "cpu"])
+    assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0 and cfg.device == "cpu"
+    fg.ensure_sample_data(cfg)
+    assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
+    assert run_script("--arithmetic", "--out-dir", tmp_path / "cli").returncode == 0
+    assert pd.read_parquet(tmp_path / "cli" / "arithmetic" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
+
+
+def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="not found"):
+        fg.main(["--plot", "--output-dir", str(tmp_path)])
+    lines = [{"step": s, "reward_mean": r, "plan_parse_rate": p, "tool_share": {"Python_Coder_Tool": t,
+              "Generalist_Solution_Generator_Tool": 1 - t}} for s, r, p, t in [(1, 0.25, 0.9, 0.5), (2, 0.5, 1.0, 0.75)]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert fg.main(["--plot", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["step", "reward", "plans", "parsed", "Generalist", "share", "Python", "share"]
+    assert out[1].split() == ["1", "0.25", "0.90", "0.50", "0.50"] and out[2].split() == ["2", "0.50", "1.00", "0.25", "0.75"]
