@@ -443,6 +443,65 @@ def build_tiny_model(seed: int = 0):
     return model.eval(), tokenizer
 
 
+def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
+    """The llguidance grammar of `schema` as compact JSON (no free whitespace), with extra keys forbidden and
+    every string and list capped: without caps a model that never closes a string (a random one, or a small
+    one caught in a loop) would never finish. The caps only shorten, so a valid text stays valid."""
+    import llguidance
+
+    def cap(node: Any) -> None:
+        if isinstance(node, dict):
+            limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
+                     "object": ("additionalProperties", False)}.get(node.get("type"))
+            if limit:
+                node.setdefault(*limit)
+            for value in node.values():
+                cap(value)
+        elif isinstance(node, list):
+            for value in node:
+                cap(value)
+
+    spec = schema.model_json_schema()
+    cap(spec)
+    return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
+
+
+class SchemaMask:
+    """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
+    valid under its schema (llguidance's per-row token bitmask, one LLMatcher per row); rows without a schema
+    are left free. A row whose JSON is complete may only emit EOS, so it stops like any other row."""
+
+    def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
+        import llguidance
+
+        self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
+                         for i, s in enumerate(schemas) if s is not None}
+        self.words = (ll_tokenizer.vocab_size + 31) // 32 if self.matchers else 0  # 32 tokens per int32
+        self.started = False
+
+    def advance(self, last_B: torch.Tensor) -> None:
+        """Feed each matcher the token its row just emitted (a stopped row only gets padding: skipped)."""
+        for i, m in self.matchers.items():
+            if not m.is_stopped():
+                m.consume_token(int(last_B[i]))
+
+    def __call__(self, ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        from llguidance.torch import fill_next_token_bitmask
+
+        if self.started:  # the first call sees only the prompt
+            self.advance(ids_BL[:, -1])
+        self.started = True
+        rows = list(self.matchers)
+        words_RW = torch.zeros(len(rows), self.words, dtype=torch.int32)
+        for r, i in enumerate(rows):
+            fill_next_token_bitmask(self.matchers[i], words_RW, r)
+        allowed_RV = ((words_RW.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1).bool()
+        V = scores_BV.shape[1]  # the model's vocab may be padded beyond the tokenizer's: never allowed there
+        allowed_RV = torch.nn.functional.pad(allowed_RV, (0, max(0, V - allowed_RV.shape[1])))[:, :V]
+        scores_BV[rows] = scores_BV[rows].masked_fill(~allowed_RV.to(scores_BV.device), float("-inf"))
+        return scores_BV
+
+
 # One GPU, one generation at a time: every LocalEngine of this process takes this lock, because the
 # adapter switch (on for the planner, off for the fixed roles) is state of the one shared model.
 _GENERATION_LOCK = threading.Lock()
@@ -453,23 +512,29 @@ class LocalEngine(Engine):
 
     use_adapter=False (the fixed roles): the LoRA adapter is switched off, so this IS the frozen base model and
     costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
+    With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side: every finished output
+    is valid JSON of that schema, even from a tiny or random model. An output still unfinished at the token
+    limit comes back as "" (so: invalid), never as a truncated text that a JSON repairer would patch up.
     Tools call the engine from many threads at once. Each call queues its prompts; whichever thread gets the
     generation lock next serves EVERY queued prompt in one batched generate, so concurrent tool calls share
     batches instead of waiting for each other one by one. Prompts are left-padded (generation appends on
     the right, so all rows must END at the same column).
     """
 
+    max_json_chars: int = 300  # cap on every JSON string under a schema (json_grammar)
+
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
         self.max_tokens, self.batch_size = max_tokens, batch_size
-        self._queue: list[tuple[list[str], int, concurrent.futures.Future]] = []
+        self._queue: list[tuple[list[str], int, Any, concurrent.futures.Future]] = []
         self._queue_lock = threading.Lock()
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
         self.generate_calls = 0  # batched generate() calls made (the batching test reads it)
 
     def _complete(self, prompts, max_tokens, schema):
         mine: concurrent.futures.Future = concurrent.futures.Future()
         with self._queue_lock:
-            self._queue.append((prompts, max_tokens, mine))
+            self._queue.append((prompts, max_tokens, schema, mine))
         while not mine.done():  # poll, so that a caller served by another thread returns at once
             if _GENERATION_LOCK.acquire(timeout=0.005):
                 try:
@@ -488,24 +553,31 @@ class LocalEngine(Engine):
             for limit in sorted({q[1] for q in queued}):
                 group = [q for q in queued if q[1] == limit]
                 try:
-                    texts = self._generate([p for q in group for p in q[0]], limit)
+                    texts = self._generate([p for q in group for p in q[0]], limit,
+                                           [q[2] for q in group for _ in q[0]])
                 except Exception:
                     texts = None
-                for prompts, _, future in group:
+                for prompts, _, schema, future in group:
                     if texts is not None:
                         future.set_result(texts[:len(prompts)])
                         texts = texts[len(prompts):]
                         continue
                     try:
-                        future.set_result(self._generate(prompts, limit))
+                        future.set_result(self._generate(prompts, limit, [schema] * len(prompts)))
                     except Exception as e:  # the caller re-raises it in its own thread
                         future.set_exception(e)
         finally:  # even on KeyboardInterrupt: no caller may wait forever
-            for _, _, future in queued:
+            for *_, future in queued:
                 if not future.done():
                     future.set_exception(RuntimeError("generation was interrupted"))
 
-    def _generate(self, prompts: list[str], max_tokens: int) -> list[str]:
+    def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
+        """Greedy texts for `prompts`; row i decoded under schemas[i] when that is not None."""
+        schemas = schemas or [None] * len(prompts)
+        if self._ll_tokenizer is None and any(schemas):
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
         gen_cfg = copy.deepcopy(self.model.generation_config)
         # Greedy: deterministic answers from the fixed roles. Sampling knobs are cleared so none applies.
         gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
@@ -517,9 +589,14 @@ class LocalEngine(Engine):
                 chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                                      add_special_tokens=False).to(self.model.device)
-                ids = self.model.generate(**enc, generation_config=gen_cfg)
+                mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], self.max_json_chars)
+                ids = self.model.generate(**enc, generation_config=gen_cfg,
+                                          logits_processor=[mask] if mask.matchers else None)
                 self.generate_calls += 1
-                outs += self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                mask.advance(ids[:, -1])  # the last token was never fed back: the matchers must see it
+                texts = self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                outs += [t if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
+                         for r, t in enumerate(texts)]
         return outs
 
 

@@ -1227,10 +1227,10 @@ def test_local_engine_one_bad_request_fails_only_its_caller(tiny):
     model, tok = tiny
 
     class Poisoned(fg.LocalEngine):
-        def _generate(self, prompts, max_tokens):
+        def _generate(self, prompts, max_tokens, schemas=None):
             if any("POISON" in p for p in prompts):
                 raise RuntimeError("bad prompt")
-            return super()._generate(prompts, max_tokens)
+            return super()._generate(prompts, max_tokens, schemas)
 
     engine = Poisoned(model, tok, max_tokens=4)
 
@@ -1814,6 +1814,36 @@ def test_cli_smoke_ask_prints_the_trajectory():
         assert part in out.stdout, part
     assert time.perf_counter() - t0 < 60
 
+
+# ==== realmodel: constrained decoding, lenient plans, GGUF models, one real-model run ====
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    """The fixed-role engine on the tiny random model (adapter off), with short JSON strings: fast tests."""
+    engine = fg.LocalEngine(*tiny, max_tokens=160)
+    engine.max_json_chars = 16  # 4 strings x 16 chars + the keys fit in 160 tokens at one character per token
+    return engine
+
+
+ROLE_SCHEMAS = [fg.QueryAnalysis, fg.Verification, fg.TitleSelection, fg.JudgeVerdict]
+
+
+def test_constrained_decoding_gives_valid_json_for_every_role_even_from_random_weights(tiny_engine):
+    """One batched generation mixing every role's schema and an unconstrained row: each constrained row is
+    strict JSON of its schema (random weights alone never produce that), the free row is left alone."""
+    prompts = [f"Answer as {s.__name__}." + fg.schema_instruction(s) for s in ROLE_SCHEMAS] + ["free text"]
+    texts = tiny_engine._generate(prompts, 160, ROLE_SCHEMAS + [None])
+    for schema, text in zip(ROLE_SCHEMAS, texts):
+        assert isinstance(schema.model_validate_json(text), schema), (schema.__name__, text)
+    assert texts[-1] == tiny_engine._generate(prompts[-1:], 160)[0]  # the mask never touches a free row
+    assert all(isinstance(tiny_engine.ask("x", schema=s), s) for s in ROLE_SCHEMAS[:1])  # through generate()
+
+
+def test_constrained_output_unfinished_at_the_token_limit_counts_as_invalid(tiny_engine):
+    """A JSON text cut by max_tokens must not be patched up by the repairing parser into a 'valid' object."""
+    assert tiny_engine._generate(["x"], 5, [fg.Verification]) == [""]
+    assert tiny_engine.ask("x", schema=fg.Verification, max_tokens=5) is None
 
 # ==== recipe: SFT warm start, the cpu preset's arithmetic, eval counts, --plot ====
 
