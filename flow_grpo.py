@@ -26,12 +26,18 @@ Every turn is trained with ITS OWN prompt s_it, which already holds the memory a
 environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the base model:
 the same weights with the LoRA adapter switched off (peft's disable_adapter()), so there is no second copy.
 
+SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group with no parsed plan
+has no reward variance: nothing to learn from. --sft-steps N first fits the planner, by cross-entropy on action
+tokens (the same action_logprobs, its own AdamW), to format-only plans: a rollout's turn-1 prompt -> a short plan
+whose tool is drawn uniformly. GRPO then starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
+
 HOW TO RUN
     python prepare_data.py                          # data/train/combined_train.parquet + data/val/aime24.parquet
     python flow_grpo.py                             # train Qwen2.5-1.5B-Instruct's planner on one CUDA GPU
     python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
     python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
     python flow_grpo.py --preset smoke --max-steps 3   # offline CPU run on a tiny random model
+    python flow_grpo.py --preset cpu                   # SmolLM2-135M offline on CPU: SFT, then GRPO on arithmetic
     python -m pytest -q                                # the tests (CPU, offline)
 
 DELIBERATE SIMPLIFICATIONS (and why)
@@ -106,7 +112,7 @@ class Config:
     eval: bool = False  # evaluate the planner greedily on --val-file and print accuracy
     benchmark: bool = False  # time lockstep vs one-at-a-time rollouts, remote concurrency, update memory
     learning_curve: bool = False  # train the tiny model on the toy task for 3 seeds, print reward per step
-    preset: str = ""  # 'smoke' = tiny random model; 'cpu' = SmolLM2-135M on arithmetic; both CPU, offline (flags override)
+    preset: str = ""  # 'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic; CPU, offline, flags override
     plot: bool = False  # reward, plan-parse rate, tool shares per step of --output-dir's run (table; PNG if matplotlib)
     # --- models and engines ---
     model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id or local path ('tiny' = random tiny Qwen2)
@@ -176,9 +182,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
         lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
     ),
-    # A real model, offline on a 2-core CPU: learn to route exact arithmetic to Python. One turn (the tool
-    # choice is the whole decision), short limits, and no KL term: the reference (adapter off) is the base,
-    # which writes no parseable plan, so a pull towards it would undo the SFT warm start.
+    # A real model offline on a 2-core CPU learns to route exact arithmetic to Python. One turn (the tool choice
+    # is the decision); no KL term: the reference is the base, whose plans do not parse - it would undo the SFT.
     "cpu": dict(
         model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
         val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
@@ -2197,9 +2202,8 @@ def load_questions(path: str, limit: int = 0) -> list[dict]:
 
 
 def ensure_sample_data(cfg: Config) -> None:
-    """A preset's data is built offline on first use by prepare_data.py (smoke: its --sample writer; cpu: its
-    --arithmetic generator, always seed 42 so every run holds out the same questions) - only at the preset's
-    own paths, never over a file the user named."""
+    """A preset's data, built offline on first use by prepare_data.py (--sample; --arithmetic with seed 42, so
+    every run holds out the same questions) - only at the preset's own paths, never over a file the user named."""
     own = PRESETS.get(cfg.preset, {})
     missing = [p for p, key in ((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))
                if p == own.get(key) and not Path(p).exists()]
@@ -2445,10 +2449,9 @@ def trim_jsonl(path: Path, max_step: int) -> None:
 
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
-    """What the agent did, for --eval's last line and the per-step metrics: planner turns and plans parsed;
-    calls asked of the executor (plans naming a real tool; tool:<name> per tool) and calls valid (parsed in
-    the tool's own call schema); the frozen roles' structured outputs (an analysis per question, a call per
-    request, a verdict per turn) and how many parsed."""
+    """For --eval's last line and the step metrics: planner turns and plans parsed; calls asked of the executor
+    (plans naming a real tool; tool:<name> per tool) and calls valid in the tool's own call schema; the frozen
+    roles' structured outputs (an analysis per question, a call per request, a verdict per turn), and parsed."""
     c = Counter()
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
@@ -2497,11 +2500,9 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     gen_tokens = sum(len(r.action_ids) for r in rows)
     metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd,
                "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),
-               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr,
-               "rollout_s": rollout_s, "update_s": update_s,
+               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr, "rollout_s": rollout_s, "update_s": update_s,
                "planner_tokens_per_s": gen_tokens / max(1e-9, timings.get("planner", 0.0)),
-               "time_planner_s": timings.get("planner", 0.0), "time_fixed_s": timings.get("fixed", 0.0),
-               "time_tools_s": timings.get("tools", 0.0)}
+               **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")}}
     return metrics, states, rewards
 
 
@@ -2543,14 +2544,12 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
 
 
 def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
-    """--sft-steps: teach the planner the plan FORMAT before GRPO. Demonstrations: the exact turn-1 prompt
-    of a rollout (the frozen role's real query analysis included) -> {"sub_goal": question, "tool_name": a tool
-    drawn uniformly, redrawn every step} + EOS. Which tool is right is never shown: the reward must teach it.
-    Its own AdamW at a constant --sft-lr, so GRPO starts with fresh moments and its own warmup."""
+    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output
+    in it) -> {"sub_goal": question, "tool_name": drawn uniformly, redrawn every step} + EOS, own AdamW."""
     rng = random.Random(f"sft-{cfg.seed}")
     pool = [r["question"] for r in rng.sample(rows, min(len(rows), cfg.batch_size * cfg.group_size))]
     analyses = fixed.generate([analysis_prompt(q, tools) for q in pool], schema=QueryAnalysis)
-    texts = [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]  # as solve_batch
+    texts = [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]  # solve_batch's
     prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
                             add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t in zip(pool, texts)]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2563,8 +2562,8 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
                    for q in pool]
         n_tokens, total = sum(len(a) for a in actions), 0.0
         optimizer.zero_grad(set_to_none=True)
-        for i in range(0, len(pool), cfg.micro_batch_size):  # accumulate: the sum over chunks is the batch loss
-            loss = sft_loss(model, prompt_ids[i:i + cfg.micro_batch_size], actions[i:i + cfg.micro_batch_size], n_tokens)
+        for i in range(0, len(pool), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
+            loss = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -2704,10 +2703,9 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
                                    [r["answer"] for r in chunk], judge)
         correct += rewards
         c += agent_counts(states, tools)
-    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c),
-              "adapter": cfg.adapter or "(base model)"}
-    print(f"accuracy {result['accuracy']:.3f} on {cfg.val_file} (planner: {result['adapter']}); tool calls asked: "
-          + (", ".join(f"{name} {c[f'tool:{name}']}" for name in tools)))
+    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c)}
+    print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
+          + ", ".join(f"{t} {c['tool:' + t]}" for t in tools))
     print(f"eval: accuracy {round(sum(correct))}/{len(correct)}, plans parsed {c['plans']}/{c['turns']}, tool calls "
           f"valid {c['calls_valid']}/{c['calls']}, structured outputs valid {c['structured_valid']}/{c['structured']}")
     return result
@@ -2876,9 +2874,7 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
     plt.figure()
     for name, values in series.items():
         plt.plot(steps, values, label=name)
-    plt.xlabel("training step")
-    plt.ylabel(ylabel)
-    plt.title(title)
+    plt.gca().set(xlabel="training step", ylabel=ylabel, title=title)
     plt.legend()
     plt.savefig(path, dpi=100)
     print(f"wrote {path}")
@@ -2908,9 +2904,8 @@ def plot_run(cfg: Config) -> list[dict]:
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
     steps = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    tools = sorted({name for m in steps for name in m.get("tool_share", {})})
     series = {"reward": [m["reward_mean"] for m in steps], "plans parsed": [m["plan_parse_rate"] for m in steps],
-              **{f"{t.split('_')[0]} share": [m["tool_share"].get(t, 0.0) for m in steps] for t in tools}}
+              **{f"{t.split('_')[0]} share": [m["tool_share"][t] for m in steps] for t in sorted(steps[0]["tool_share"])}}
     print("step  " + "  ".join(f"{k:>16s}" for k in series))
     for i, m in enumerate(steps):
         print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
