@@ -288,7 +288,7 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
 def schema_instruction(schema: type[BaseModel]) -> str:
     """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
     spec = schema.model_json_schema()
-    lines = [f'- "{k}" ({v.get("type", "any")}{"" if k in spec.get("required", []) else ", optional"}): '
+    lines = [f'- "{k}" ({v.get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
              f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
@@ -1159,8 +1159,8 @@ def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
     LocalEngine decodes under it and a remote server gets it as response_format, so a call can neither name
     another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
     return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
-                        tool_name=(Literal[name], Field(description="the tool chosen by the planner")),
-                        arguments=(input_model, Field(description="the tool's input fields listed above")))
+                        tool_name=(Literal[name], Field(description=f'exactly "{name}"')),
+                        arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
 
 
 # -----------------------------------------------------------------------------

@@ -1856,7 +1856,7 @@ def test_lenient_next_step_needs_only_tool_name_and_sub_goal():
     assert (plan.tool_name, plan.sub_goal, plan.justification, plan.context) == ("Python_Coder_Tool", "multiply", "", "")
     assert fg.parse_structured('{"justification": "j", "context": "c", "tool_name": "X"}', fg.NextStep) is None
     shown = fg.schema_instruction(fg.NextStep)  # the planner's prompt says which fields it may leave out
-    assert '"justification" (string, optional)' in shown and '"tool_name" (string):' in shown
+    assert '"justification" (string, optional)' in shown and '"tool_name" (string, required):' in shown
 
 
 def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
