@@ -314,16 +314,21 @@ def schema_instruction(schema: type[BaseModel]) -> str:
 
 class Engine:
     """The interface. Subclasses implement _complete(prompts, max_tokens, schema) -> list[str]; generate() adds
-    the schema instruction to the prompts before and parses the texts after."""
+    the schema instruction to the prompts before and parses the texts after. A greedy engine gives one text per
+    prompt, so it generates each distinct prompt once (the G trajectories of a question often ask the same)."""
 
     max_tokens: int = 512
     requests = failures = 0  # remote requests sent and failed (OpenAIEngine counts them; local ones never fail)
     phase_timeout_s = 300.0  # the longest a rollout phase waits for this engine, or for the tools it serves
+    temperature: float = 0.0  # 0 = greedy decoding (LocalEngine always is)
+    dedup: bool = True  # send duplicate prompts once when greedy (False: the old way, for --benchmark)
 
     def generate(self, prompts: list[str], *, schema: Optional[type[BaseModel]] = None,
                  max_tokens: Optional[int] = None) -> list[Any]:
         full = [p + schema_instruction(schema) if schema else p for p in prompts]
-        texts = self._complete(full, max_tokens or self.max_tokens, schema)
+        sent = list(dict.fromkeys(full)) if self.dedup and self.temperature == 0 else full
+        texts = self._complete(sent, max_tokens or self.max_tokens, schema)
+        texts = texts if sent is full else list(map(dict(zip(sent, texts)).get, full))  # copies share the text
         return [parse_structured(t, schema) for t in texts] if schema else texts
 
     def ask(self, prompt: str, *, schema: Optional[type[BaseModel]] = None, max_tokens: Optional[int] = None) -> Any:
@@ -1660,6 +1665,8 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
                     st.stats[f"tool:{command['tool_name']}"] += 1
                     st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
             # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
+            if turn == max_turns:  # not after the last turn: the loop ends anyway, a verdict would change nothing
+                break
             with timed(timings, "fixed"):
                 verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
                                           schema=Verification)
@@ -1722,49 +1729,54 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
-def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float) -> list[Sample]:
+def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
+                   share_prefill: bool = True) -> list[Sample]:
     """Batched sampling with a KV cache, recording behaviour log-probs. `prompts` are rendered chat strings.
 
     Prompts are LEFT-padded so that every row's next token is written in the same column:
-        ids_BP = [[pad, pad, p0, p1],          mask_BP = [[0, 0, 1, 1],
+        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
     Position ids come from the mask (cumsum - 1), exactly as the update will compute them (action_logprobs),
     so both passes see the same positions. temperature == 0 means greedy (log-probs then at T = 1).
+    share_prefill: each DISTINCT prompt is prefilled once (a group's G rows share their turn-1 prompt), its KV
+    cache copied to its rows, which then sample independently. A row whose action ended leaves batch and cache.
     """
     device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids_BP, mask_BP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    B, P = ids_BP.shape
+    distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
+    enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    ids_UP, mask_UP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
+    B, P = len(prompts), ids_UP.shape[1]
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
-    pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids_BP, attention_mask=mask_BP, position_ids=pos_BP, use_cache=True, logits_to_keep=1)
-    next_pos_B = pos_BP[:, -1] + 1
-    tokens, logps = [], []
-    alive_B = torch.ones(B, dtype=torch.bool, device=device)
-    length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths: positions, never pad-id tests
-    for _ in range(max_new_tokens):
-        logits_BV = out.logits[:, -1].float()
-        logp_BV = torch.log_softmax(logits_BV / (temperature if temperature > 0 else 1.0), dim=-1)
-        tok_B = torch.multinomial(logp_BV.exp(), 1).squeeze(1) if temperature > 0 else logp_BV.argmax(-1)
-        tokens.append(tok_B)
-        logps.append(logp_BV.gather(1, tok_B[:, None]).squeeze(1))
-        length_B += alive_B  # a row grows until (and including) its first stop token
-        alive_B &= ~torch.isin(tok_B, stops)
-        if not alive_B.any():
+    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
+    logits_RV, mask_RL, next_pos_R = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1
+    rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
+    tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
+    length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
+    for step in range(max_new_tokens):
+        logp_RV = torch.log_softmax(logits_RV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+        tok_R = torch.multinomial(logp_RV.exp(), 1).squeeze(1) if temperature > 0 else logp_RV.argmax(-1)
+        tok_BA[rows_R, step], logp_BA[rows_R, step] = tok_R, logp_RV.gather(1, tok_R[:, None]).squeeze(1)
+        length_B[rows_R] += 1
+        going_R = ~torch.isin(tok_R, stops)
+        if not going_R.any() or step == max_new_tokens - 1:
             break
-        # Finished rows keep decoding (cheaper than reshaping the cache); their extra tokens are cut below.
-        mask_BP = torch.cat([mask_BP, mask_BP.new_ones(B, 1)], dim=1)
-        out = model(input_ids=tok_B[:, None], attention_mask=mask_BP, position_ids=next_pos_B[:, None],
-                    past_key_values=out.past_key_values, use_cache=True)
-        next_pos_B = next_pos_B + 1
-    tok_BA, logp_BA = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
-    prompt_len_B, length_B = enc["attention_mask"].sum(1), length_B.cpu()
-    samples = []
-    for b in range(B):
-        action = tok_BA[b, :length_B[b]]
-        samples.append(Sample(prompt_ids=enc["input_ids"][b, P - prompt_len_B[b]:], action_ids=action,
-                              logprobs=logp_BA[b, :length_B[b]], text=tokenizer.decode(action, skip_special_tokens=True)))
-    return samples
+        if not going_R.all():  # one copy of the cache now saves computing a dead row at every later step
+            keep = going_R.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
+        mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
+        logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
+                          past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos_R = next_pos_R + 1
+    tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
+    prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
+    actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
+    return [Sample(prompt_ids_U[u], a, logp_BA[b, :len(a)], tokenizer.decode(a, skip_special_tokens=True))
+            for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
 
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
@@ -1799,13 +1811,13 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
 
 def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: Engine, tools: dict,
             temperature: float, max_new_tokens: int, max_turns: int, memory_chars: int = 2000,
-            tool_workers: int = 8, timings: Optional[dict] = None) -> list[AgentState]:
+            tool_workers: int = 8, timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
     """B questions x G samples in lockstep: trajectory i answers questions[i // G].
     Each turn, the planner prompts of all live trajectories go through ONE batched sample_actions call; the
     Samples (prompt ids, action ids, behaviour log-probs) stay attached to their turns."""
     def planner(prompts: list[str]) -> list[Sample]:
         return sample_actions(model, tokenizer, [render_chat(tokenizer, p) for p in prompts],
-                              max_new_tokens=max_new_tokens, temperature=temperature)
+                              max_new_tokens=max_new_tokens, temperature=temperature, share_prefill=share_prefill)
 
     model.eval()  # rollouts never need dropout or autograd
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
@@ -2817,8 +2829,7 @@ def _update_memory_probe(mode: str, prompt_len: int, action_len: int, vocab: int
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                                          tie_word_embeddings=True))
-    prompt = torch.randint(0, vocab, (prompt_len,))
-    action = torch.randint(0, vocab, (action_len,))
+    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
     # Reset the kernel's peak-RSS mark (VmHWM) so that building the model does not count, then measure.
     Path("/proc/self/clear_refs").write_text("5")
     base_mb = _proc_status_mb("VmRSS")
@@ -2846,49 +2857,89 @@ def update_memory_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, v
     return queue.get(timeout=5)
 
 
-def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
-    """Measure what lockstep batching and concurrency buy, and the memory of the update.
+def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> dict:
+    """Useful tokens/s (actions up to their first stop token) of sample_actions and of transformers' generate()
+    under the same law (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
+    stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
+    model.eval()  # the update before left it in training mode
+    t0 = time.perf_counter()
+    sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
+    t1 = time.perf_counter()
+    tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
+    t2 = time.perf_counter()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0,
+                         max_new_tokens=n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+    gen_tokens = sum(next((i + 1 for i, t in enumerate(row) if t in stops), len(row))  # up to the first stop
+                     for row in new[:, enc["input_ids"].shape[1]:].tolist())
+    return {"loop_tokens_per_s": tokens / (t2 - t1), "generate_tokens_per_s": gen_tokens / (time.perf_counter() - t2),
+            "loop_prefill_s": t1 - t0, "loop_decode_s": max(0.0, t2 - t1 - (t1 - t0))}
 
-    (a) the same questions, G trajectories each, with the same engines, seed, turns and token limits:
-        lockstep (exactly the trainer's rollout) vs one trajectory at a time (the original article's loop);
-    (b) G remote calls to a stand-in server that answers after 100 ms: concurrent vs one after another;
-    (c) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs.
+
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> tuple[dict, list]:
+    """Part (a) of benchmark(). Returns the figures per mode and the distinct planner prompts of the lockstep run."""
+    fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
+    fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
+    report: dict[str, Any] = {}
+    for mode in ("lockstep", "unshared", "sequential"):
+        log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
+        torch.manual_seed(cfg.seed)
+        timings: dict[str, float] = {}
+        generated.clear()
+        fixed.dedup = mode != "unshared"
+        with timed(timings, "seconds"):
+            if mode == "sequential":
+                states = [st for q in questions for _ in range(group)
+                          for st in rollout(model, tokenizer, [q], group_size=1, timings=timings, **kw)]
+            else:
+                states = rollout(model, tokenizer, questions, group_size=group, timings=timings,
+                                 share_prefill=mode == "lockstep", **kw)
+        tokens = sum(len(t.planner_output.action_ids) for st in states for t in st.turns)
+        report[mode] = {"trajectories": len(states), "planner_tokens": tokens,
+                        "planner_tokens_per_s": tokens / max(1e-9, timings.get("planner", 0.0)),
+                        "fixed_generated": len(generated), "fixed_distinct": len(set(generated)), **timings}
+        if mode == "lockstep":  # one update on this batch, to show its share of a training step
+            rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
+                                                       [i // group for i in range(len(states))]), group)
+            optimizer, _ = make_optimizer(model, cfg)
+            with timed(report[mode], "update"):
+                fill_old_and_ref(model, rows, cfg)
+                update_policy(model, optimizer, rows, cfg, step=1)
+            prompts = list(dict.fromkeys(tokenizer.decode(r.prompt_ids) for r in rows))  # distinct planner prompts
+    return report, prompts
+
+
+def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
+    """Measure what lockstep batching, sharing and concurrency buy, and the memory of the update.
+
+    (a) the same questions, G trajectories each, same engines, seed, turns and token limits: lockstep (the trainer's
+        rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one trajectory at a time;
+    (b) the planner's sampling loop vs transformers' generate() on the distinct planner prompts of (a);
+    (c) G remote calls to a stand-in server that answers after 100 ms: concurrent vs one after another;
+    (d) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs.
     """
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
     kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
               max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
+    log("benchmark: warm-up rollout")
     rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs
-    report: dict[str, Any] = {}
-    for mode in ("lockstep", "sequential"):
-        torch.manual_seed(cfg.seed)
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
-        if mode == "lockstep":
-            states = rollout(model, tokenizer, questions, group_size=group, timings=timings, **kw)
-        else:
-            states = [st for q in questions for _ in range(group)
-                      for st in rollout(model, tokenizer, [q], group_size=1, timings=timings, **kw)]
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(t.planner_output.action_ids) for st in states for t in st.turns)
-        report[mode] = {"seconds": seconds, "trajectories": len(states), "planner_tokens": tokens,
-                        "planner_tokens_per_s": tokens / max(1e-9, timings.get("planner", 0.0)), **timings}
-        if mode == "lockstep":  # one update on this batch, to show its share of a training step
-            rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
-                                                       [i // group for i in range(len(states))]), group)
-            optimizer, _ = make_optimizer(model, cfg)
-            t1 = time.perf_counter()
-            fill_old_and_ref(model, rows, cfg)
-            update_policy(model, optimizer, rows, cfg, step=1)
-            report[mode]["update"] = time.perf_counter() - t1
+    report, prompts = _time_rollouts(cfg, model, tokenizer, questions, group, kw)
     speedup = report["sequential"]["seconds"] / report["lockstep"]["seconds"]
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner tokens, "
           f"model {cfg.model} on {device}")
-    for mode in ("lockstep", "sequential"):
+    for mode in ("lockstep", "unshared", "sequential"):
         r = report[mode]
         where = ", ".join(f"{k} {r[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in r)
-        print(f"  {mode:10s} {r['seconds']:7.2f}s  planner {r['planner_tokens_per_s']:8.1f} tok/s  ({where})")
-    print(f"rollout speedup: {speedup:.1f}x (lockstep vs sequential)")
+        print(f"  {mode:10s} {r['seconds']:7.2f}s  planner {r['planner_tokens_per_s']:8.1f} tok/s  ({where}); frozen "
+              f"roles generated {r['fixed_generated']} prompts ({r['fixed_distinct']} distinct)")
+    print(f"rollout speedup: {speedup:.1f}x (lockstep vs sequential), "
+          f"{report['unshared']['seconds'] / report['lockstep']['seconds']:.1f}x (vs nothing shared)")
+    log(f"benchmark: sampling loop vs generate() on {len(prompts)} distinct planner prompts")
+    report["sampling"] = sp = _sampling_speed(model, tokenizer, prompts, cfg)
+    print(f"planner sampling: loop {sp['loop_tokens_per_s']:.1f} tok/s (prefill {sp['loop_prefill_s']:.2f}s, decode "
+          f"{sp['loop_decode_s']:.2f}s) vs generate() {sp['generate_tokens_per_s']:.1f} tok/s "
+          f"({sp['loop_tokens_per_s'] / sp['generate_tokens_per_s']:.2f}x)")
 
     url, server = _slow_openai_server(0.1)
     try:

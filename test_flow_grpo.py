@@ -1698,8 +1698,9 @@ def test_llm_judge_falls_back_to_rule_and_counts():
         def _complete(self, prompts, max_tokens, schema):
             return ['{"analysis": "same", "correct": true}', "garbage", '{"analysis": "no", "correct": false}']
 
-    rewards, fallbacks = fg.judge_rewards(["q"] * 3, ["<answer>x</answer>", "<answer>7</answer>", "<answer>7</answer>"],
-                                          ["y", "7", "7"], Judge())
+    # three questions, so the three judge prompts differ (a greedy engine answers duplicates once)
+    rewards, fallbacks = fg.judge_rewards(["q1", "q2", "q3"], ["<answer>x</answer>", "<answer>7</answer>",
+                                                               "<answer>7</answer>"], ["y", "7", "7"], Judge())
     assert rewards == [1.0, 1.0, 0.0] and fallbacks == 1
 
 
@@ -2559,3 +2560,95 @@ def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["step", "reward", "plans", "parsed", "Generalist", "share", "Python", "share"]
     assert out[1].split() == ["1", "0.25", "0.90", "0.50", "0.50"] and out[2].split() == ["2", "0.50", "1.00", "0.25", "0.75"]
+
+# ==== nowork: no work done twice (greedy prompts once, shared prefill, finished rows dropped, no last verdict) ====
+
+
+class CountingRoleEngine(RoleEngine):
+    """RoleEngine that records every prompt it is asked to generate."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sent = []
+
+    def _complete(self, prompts, max_tokens, schema):
+        self.sent += prompts
+        return super()._complete(prompts, max_tokens, schema)
+
+
+def solve_identical(fixed, group=8, max_turns=1):
+    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), fixed=fixed,
+                          tools={"Echo_Tool": EchoTool()}, max_turns=max_turns)
+
+
+def test_greedy_engine_generates_each_distinct_prompt_once():
+    shared, unshared = CountingRoleEngine(), CountingRoleEngine()
+    unshared.dedup = False
+    a, b = solve_identical(shared), solve_identical(unshared)
+    assert [fg.format_trajectory(s) for s in a] == [fg.format_trajectory(s) for s in b]  # identical results
+    assert len(shared.sent) == len(set(shared.sent)) == 3  # analysis, tool call, answer: once each
+    assert len(unshared.sent) == 24 and set(unshared.sent) == set(shared.sent)
+    sampling = CountingRoleEngine()
+    sampling.temperature = 0.7  # a sampling engine may answer the same prompt differently: no sharing
+    solve_identical(sampling)
+    assert len(sampling.sent) == 24
+
+
+def test_verifier_is_not_called_after_the_last_allowed_turn():
+    fixed = CountingRoleEngine(stop_after=99)
+    states = solve_identical(fixed, group=1, max_turns=2)
+    assert sum("verifier" in p for p in fixed.sent) == 1  # after turn 1 only: turn 2 ends the loop anyway
+    assert states[0].turns[0].verdict is not None and states[0].turns[1].verdict is None
+    assert len(states[0].turns) == 2 and states[0].final_output
+
+
+def count_tokens(model):
+    """Tokens pushed through the model (prompt columns, padding included, and decode steps), via a hook."""
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, inp, out: seen.append(inp[0].numel()))
+    return seen, handle
+
+
+def test_shared_prefill_pushes_each_prompt_once_and_drops_finished_rows(tiny):
+    model, tok = tiny
+    prompt = fg.render_chat(tok, "a long planner prompt that every row of the group shares " * 12)
+    P = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    seen, handle = count_tokens(model)
+    try:
+        for share in (True, False):
+            seen.clear()
+            torch.manual_seed(0)
+            samples = fg.sample_actions(model, tok, [prompt] * 8, max_new_tokens=6, temperature=1.0,
+                                        share_prefill=share)
+            # prefill, then one token per live row per step; a row's last token is never fed back
+            decoded = sum(len(s.action_ids) - 1 for s in samples)
+            assert sum(seen) == (1 if share else 8) * P + decoded
+            assert sum(seen) <= (2 if share else 9) * P
+    finally:
+        handle.remove()
+
+
+def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(tiny):
+    """Duplicates of prompts of different lengths, interleaved; a token the model samples often is made a stop
+    token, so rows end (and leave the batch) at different steps."""
+    model, tok = tiny
+    prompts = rendered(tok, ["hi", "a much longer prompt, padded differently", "hi", "mid size",
+                             "a much longer prompt, padded differently", "hi"])
+    torch.manual_seed(5)
+    free = fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7)
+    stop = Counter(t for s in free for t in s.action_ids.tolist()).most_common(1)[0][0]
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    try:
+        runs = []
+        for share in (True, False):
+            torch.manual_seed(5)
+            runs.append(fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7, share_prefill=share))
+    finally:
+        model.generation_config.eos_token_id = tok.eos_token_id
+    shared, unshared = runs
+    again = fg.action_logprobs(model, [s.prompt_ids for s in shared], [s.action_ids for s in shared], temperature=0.7)
+    for s, u, lp, p in zip(shared, unshared, again, prompts):
+        assert tok.decode(s.prompt_ids) == p and len(s.logprobs) == len(s.action_ids) == len(lp) > 0
+        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
+        assert torch.equal(s.action_ids, u.action_ids)  # same seed, same law: the same draws
+    assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
