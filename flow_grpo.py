@@ -157,6 +157,8 @@ class Config:
     ppo_epochs: int = 1  # passes over each rollout batch
     num_minibatches: int = 1  # optimizer steps per pass (the batch is split by trajectory)
     micro_batch_size: int = 4  # turn rows per forward/backward (gradient accumulation inside a minibatch)
+    clip_ratio_c: float = 3.0  # dual clip (verl, AgentFlow): for A < 0 the loss stops at -c*A once ratio > c (0 = off)
+    adv_unit: str = "trajectory"  # normalise over a question's 'trajectory's (paper) or its 'turn'-rows (AgentFlow)
     # --- optimisation ---
     lr: float = 1e-5  # AdamW learning rate of the LoRA weights
     weight_decay: float = 0.0  # AdamW weight decay
@@ -231,7 +233,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     cfg = Config(**{**PRESETS.get(preset, {}), **typed})
     for name, choices in [("agg", AGGREGATIONS), ("adv_scale", ("group", "batch", "none")),
                           ("judge", ("rule", "llm")), ("old_logprobs", ("recompute", "captured")),
-                          ("device", ("auto", "cuda", "cpu"))]:
+                          ("device", ("auto", "cuda", "cpu")), ("adv_unit", ("trajectory", "turn"))]:
         if getattr(cfg, name) not in choices:
             parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
     modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
@@ -242,6 +244,8 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
         parser.error(f"--tools must name one or more of {sorted(TOOL_CLASSES)}, not {cfg.tools!r}")
     if cfg.eval_limit < 0:
         parser.error("--eval-limit must be >= 0 (0 = all)")
+    if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
+        parser.error(f"--clip-ratio-c must be > 1, or 0 for off, not {cfg.clip_ratio_c!r}")
     for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
                  "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every"):
         if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
@@ -1997,34 +2001,37 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
 # =====================================================================================================
 
 
-def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
-    """One advantage per trajectory: its reward minus its group's mean, scaled.
+def group_members(group_ids) -> list[list[int]]:
+    """Row indices per group, ids of any hashable type: ["q1", "q2", "q1"] -> [[0, 2], [1]] (tensors via .tolist())."""
+    members: dict[Any, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
+        members.setdefault(g, []).append(i)
+    return list(members.values())
 
-    scale='group': divide by the group's std (GRPO); 'batch': by the std of all centred rewards in the batch
-    (less noisy for small G); 'none': centred only (Dr. GRPO). A group whose rewards are all equal carries no
-    signal: its advantages are exactly 0 (not 0/eps noise).
-        group_advantages([1, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]) -> [1.5, -0.5, -0.5, -0.5, 0, 0]
-    (unbiased std, as in GRPO and verl: std([1,0,0,0]) = 0.5)
+
+def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per sample: its reward minus its group's mean, scaled.
+
+    scale='group': divide by the group's unbiased std (GRPO, verl); 'batch': by the std of ALL rewards in the
+    batch (TRL's; less noisy for small G); 'none': centred only (Dr. GRPO). A group whose rewards are all equal
+    carries no signal: its advantages are exactly 0, not 0/eps noise (and a group of one too; verl: reward/1).
     """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     r_N = torch.as_tensor(rewards, dtype=torch.float32)
-    g_N = torch.as_tensor(group_ids)
     adv_N = torch.zeros_like(r_N)
-    for g in g_N.unique():
-        idx = g_N == g
-        centred = r_N[idx] - r_N[idx].mean()
-        std = r_N[idx].std() if idx.sum() > 1 else torch.tensor(0.0)
+    for idx in group_members(group_ids):
+        std = r_N[idx].std() if len(idx) > 1 else torch.tensor(0.0)
         if std > eps:  # zero-variance groups keep their zeros
-            adv_N[idx] = centred / (std + eps) if scale == "group" else centred
-    if scale == "batch" and adv_N.abs().sum() > 0:
-        adv_N = adv_N / (adv_N.std() + eps)
+            scale_by = {"group": std + eps, "batch": r_N.std() + eps, "none": 1.0}[scale]
+            adv_N[idx] = (r_N[idx] - r_N[idx].mean()) / scale_by
     return adv_N
 
 
 def zero_std_frac(rewards, group_ids) -> float:
     """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
-    r_N, g_N = torch.as_tensor(rewards, dtype=torch.float32), torch.as_tensor(group_ids)
-    groups = g_N.unique()
-    return sum(float(r_N[g_N == g].max() == r_N[g_N == g].min()) for g in groups) / max(1, len(groups))
+    r, groups = [float(x) for x in rewards], group_members(group_ids)
+    return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
 
 
 # =====================================================================================================
@@ -2041,8 +2048,8 @@ def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) ->
     'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
     'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
     'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
-    Example, two turns of one trajectory with 1 and 3 tokens:  'turn'       -> [[.5, 0, 0], [1/6, 1/6, 1/6]]
-                                                                'token-mean' -> [[.25, 0, 0], [.25, .25, .25]]
+    traj_ids: the trajectory of each row (any hashable ids); without them every row is its own trajectory,
+    so 'turn' equals 'seq-mean-token-mean'.
     """
     m = mask.float()
     per_row = m / m.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
@@ -2051,44 +2058,50 @@ def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) ->
     if agg == "seq-mean-token-mean":
         return per_row / m.shape[0]
     if agg == "turn":
-        if traj_ids is None:
-            raise ValueError("agg='turn' needs traj_ids= (the trajectory of each row)")
-        _, inverse, counts = torch.as_tensor(traj_ids).unique(return_inverse=True, return_counts=True)
-        turns_B = counts[inverse].to(m.device).float()  # T_i for the trajectory of each row
-        return per_row / (turns_B[:, None] * len(counts))
+        trajs = group_members(range(m.shape[0]) if traj_ids is None else traj_ids)
+        turns_B = torch.empty(m.shape[0], device=m.device)
+        for idx in trajs:
+            turns_B[idx] = len(idx)  # T_i for the trajectory of each row
+        return per_row / (turns_B[:, None] * len(trajs))
     raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3, kl_coef: float = 0.001,
-              agg: str = "turn", traj_ids=None, weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+              mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3, clip_ratio_c: Optional[float] = 3.0,
+              kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
+              weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
     """The Flow-GRPO loss (to MINIMISE) and its statistics.
 
     logp/old_logp/ref_logp/mask: [B, T] (one row per planner turn), advantages: [B] (the trajectory's A_i).
     weights: precomputed aggregation_weights for these rows (micro-batches of a bigger minibatch); by default
-    they are computed from `agg` over this batch alone.
+    they are computed from `agg` and traj_ids over this batch alone.
     Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
     region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
     smaller one and the gradient flows - so the clip never shields a move that makes things worse.
+    clip_ratio_c (verl's dual clip, None = off): for A < 0 and rho > clip_ratio_c the loss stays at
+    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update.
     """
     m = mask.bool()
     w = weights if weights is not None else aggregation_weights(m, agg, traj_ids)
     # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
-    log_ratio = torch.where(m, logp - old_logp, 0.0)
+    # The clamps (as verl's) keep exp() finite, so a stale pi_old or a far-off pi_ref cannot give inf or NaN.
+    log_ratio = torch.where(m, logp - old_logp, 0.0).clamp(-20, 20)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(logp.device, logp.dtype)[:, None]
     surr_unclipped = ratio * adv
     surr_clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     pg_loss = -torch.minimum(surr_unclipped, surr_clipped)
-    delta = torch.where(m, ref_logp - logp, 0.0)
-    kl = torch.exp(delta) - delta - 1  # k3 estimator of KL(pi_theta || pi_ref): unbiased, >= 0
-    per_token = pg_loss + kl_coef * kl
-    loss = (per_token * w).sum()
+    if clip_ratio_c is not None:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
+        pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, -clip_ratio_c * adv), pg_loss)
+    delta = torch.where(m, ref_logp - logp, 0.0).clamp(-20, 20)
+    kl = (torch.exp(delta) - delta - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref): unbiased, >= 0
+    loss = ((pg_loss + kl_coef * kl) * w).sum()
     with torch.no_grad():
-        n = m.sum().clamp(min=1)
-        stats = {"clip_frac": ((surr_clipped < surr_unclipped) & m).sum().item() / n.item(),
-                 "kl": (kl * m).sum().item() / n.item(),
-                 "ratio_mean": (ratio * m).sum().item() / n.item(),
+        n = m.sum().clamp(min=1).item()
+        stats = {"clip_frac": ((surr_clipped < surr_unclipped) & m).sum().item() / n,
+                 "dual_clip_frac": ((adv < 0) & (ratio > (clip_ratio_c or math.inf)) & m).sum().item() / n,
+                 "kl": (kl * m).sum().item() / n,
+                 "ratio_mean": (ratio * m).sum().item() / n,
                  "tokens": int(m.sum().item())}
     return loss, stats
 
@@ -2247,15 +2260,27 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
 
 
 def load_questions(path: str, limit: int = 0) -> list[dict]:
-    """Rows of a prepare_data.py parquet as dicts with question, answer (the ground truth) and source."""
+    """Rows of a prepare_data.py parquet as dicts with id, question, answer (the ground truth) and source. Rows
+    without a question or gold are dropped with a count (a missing gold read as "nan" would match an answer "nan")."""
     import pandas as pd
 
     if not Path(path).exists():
         raise SystemExit(f"error: {path} not found; build it with `python prepare_data.py` "
                          f"(or `python prepare_data.py --sample` offline)")
-    df = pd.read_parquet(path)
-    rows = [{"id": int(r["id"]), "question": str(r["question"]), "answer": str(r["result"]),
-             "source": str(r["source"])} for r in df.to_dict("records")]
+    try:
+        df = pd.read_parquet(path)  # (a folder of parquet files is read as one table)
+    except Exception as e:  # pyarrow raises many types for a file that is not parquet
+        raise SystemExit(f"error: {path} is not a readable parquet file ({_short_error(e, 150)})")
+    if missing := sorted({"question", "result"} - set(df.columns)):
+        raise SystemExit(f"error: {path} has no column {missing}: not a parquet file from prepare_data.py?")
+    qa = df[["question", "result"]]
+    keep = (qa.notna() & (qa.astype(str).apply(lambda col: col.str.strip()) != "")).all(axis=1)  # not None/NaN/blank
+    if not keep.all():
+        log(f"{path}: dropped {int((~keep).sum())} of {len(df)} rows without a question or ground truth")
+    rows = [{"id": r.get("id", i), "question": str(r["question"]), "answer": str(r["result"]),
+             "source": str(r.get("source", "?"))} for i, r in enumerate(df[keep].to_dict("records"))]
+    if not rows:
+        raise SystemExit(f"error: {path} holds no usable question")
     return rows[:limit] if limit else rows
 
 
@@ -2286,6 +2311,7 @@ class DataStream:
     pos: int = 0
 
     def next_batch(self, size: int) -> list[int]:
+        assert self.n > 0, "no questions to draw from: the loop below would never end"
         out = []
         while len(out) < size:
             order = list(range(self.n))
@@ -2314,12 +2340,16 @@ class Row:
 def build_rows(states: list[AgentState], advantages: torch.Tensor, group_size: int) -> list[Row]:
     """Flatten trajectories into turn-rows. Every turn gets its trajectory's advantage (Flow-GRPO's
     broadcast). Groups whose advantage is 0 still contribute their KL term."""
-    rows = []
-    for i, st in enumerate(states):
-        for turn in st.turns:
-            s: Sample = turn.planner_output
-            rows.append(Row(s.prompt_ids, s.action_ids, s.logprobs, float(advantages[i]), i, i // group_size))
-    return rows
+    samples: list[tuple[int, Sample]] = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
+    return [Row(s.prompt_ids, s.action_ids, s.logprobs, float(advantages[i]), i, i // group_size) for i, s in samples]
+
+
+def set_turn_advantages(rows: list[Row], rewards: list[float], scale: str) -> None:
+    """--adv-unit turn (AgentFlow's verl code): each turn-row is a sample of its question's group with its trajectory's
+    reward, so long trajectories weigh more in the mean and std (the paper: over the G trajectories, broadcast)."""
+    adv_R = group_advantages([rewards[r.traj_id] for r in rows], [r.group_id for r in rows], scale)
+    for r, a in zip(rows, adv_R.tolist()):
+        r.advantage = a
 
 
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2346,13 +2376,10 @@ def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_siz
 
 
 def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
-    """Accumulate the gradient of ONE minibatch over micro-batches, exactly.
-
-    The aggregation weights are computed once for the whole minibatch and sliced per micro-batch, so
-    sum(micro losses) == minibatch loss and the accumulated gradient equals the one-big-batch gradient.
+    """Accumulate the gradient of ONE minibatch over micro-batches, exactly: the aggregation weights are computed
+    for the whole minibatch and sliced per micro-batch, so micro losses and gradients add up to the big batch's.
     (The original article zeroed the gradients every batch but stepped every k batches: k-1 of every k
-    gradients were silently dropped.) Returns (loss, stats), or (None, stats) when the loss was not finite.
-    """
+    gradients were silently dropped.) Returns (loss, stats), or (None, {}) when the loss was not finite."""
     _, mask_all = pad_right([r.action_ids for r in rows])
     weights_all = aggregation_weights(mask_all, cfg.agg, [r.traj_id for r in rows])
     total, sums = 0.0, Counter()
@@ -2367,8 +2394,8 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         ref_BT = pad_right([r.ref_logp.to(dev) for r in chunk])[0] if chunk[0].ref_logp is not None else logp_BT.detach()
         adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
         w_BT = weights_all[i:i + len(chunk), :mask_BT.shape[1]].to(dev)
-        loss, st = grpo_loss(logp_BT, old_BT, ref_BT, adv_B, mask_BT, clip_low=cfg.clip_low,
-                             clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, weights=w_BT)
+        loss, st = grpo_loss(logp_BT, old_BT, ref_BT, adv_B, mask_BT, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                             clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BT)
         if not torch.isfinite(loss):
             return None, {}
         loss.backward()
@@ -2380,15 +2407,11 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
 
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config) -> None:
-    """pi_old and pi_ref for every row, with no forward pass that the update does not need.
-
-    pi_old. 'captured': the sampler's own log-probs. 'recompute': the update's own code computes them, so the
-    first ratio is 1 up to float noise. With ONE pass over the batch (ppo_epochs == num_minibatches == 1)
-    every forward of the update runs before the optimizer step, so it IS pi_old: old_logp stays None and the
-    update detaches its own log-probs, saving a whole forward pass. Otherwise a no-grad pass runs first (with
-    num_minibatches > 1 the update pads rows in other groups; in bf16 that moves ratios by ~1e-3, far inside
-    the clip range). pi_ref (adapter off) is needed only for a KL term.
-    """
+    """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
+    sampler's log-probs; 'recompute' = the update's own code, so the first ratio is 1 up to float noise. With ONE
+    pass (ppo_epochs == num_minibatches == 1) every forward of the update runs before the optimizer step, so it
+    IS pi_old: old_logp stays None and the update detaches its own log-probs (a forward pass saved). Otherwise a
+    no-grad pass runs first. pi_ref (adapter off) is needed only for a KL term."""
     if cfg.old_logprobs == "captured":
         for r in rows:
             r.old_logp = r.behaviour_logp
@@ -2461,8 +2484,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data:
     """checkpoint-<step>/: the adapter in standard peft format (adapter_config.json +
     adapter_model.safetensors, loadable by vLLM --enable-lora) plus everything needed to resume exactly.
     Written to a temporary folder and renamed, so a crash mid-save never leaves a half checkpoint."""
-    final = out_dir / f"checkpoint-{step}"
-    tmp = out_dir / f".tmp-checkpoint-{step}"
+    final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     model.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "data": dataclasses.asdict(data), "rng": rng}, tmp / "trainer_state.pt")
@@ -2474,8 +2496,20 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data:
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
-    found = [(int(p.name.split("-")[1]), p) for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
-    return max(found)[1] if found else None
+    """The newest checkpoint whose three files read back whole. Our save is atomic, but a full disk or a partial
+    copy can still tear one later: it is skipped with one line."""
+    from safetensors.torch import load_file
+
+    steps = sorted((int(p.name[11:]), p) for p in out_dir.glob("checkpoint-*") if p.name[11:].isdigit())
+    for _, ckpt in reversed(steps):
+        try:
+            load_file(str(ckpt / "adapter_model.safetensors"))
+            torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+            json.loads((ckpt / "config.json").read_text())
+            return ckpt
+        except Exception:  # each format fails its own way: SafetensorError, RuntimeError, EOFError, ValueError
+            log(f"warning: {ckpt} is incomplete or damaged; skipping it")
+    return None
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -> int:
@@ -2489,7 +2523,35 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -
     scheduler.load_state_dict(state["scheduler"])
     data.epoch, data.pos = state["data"]["epoch"], state["data"]["pos"]
     set_rng_state(state["rng"])
+    log(f"resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
+
+
+# The flags that may differ on --resume: they change how long the run goes (max_steps: the cosine decay then
+# stretches to the new end), where and how much it logs, or how fast it runs - never what a step computes.
+RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
+               "device", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
+               "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
+
+
+def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
+    """The checkpoint to start from (None: step 0). Never mixes two runs in one folder; refuses flags that would
+    change the run (a new --lr: the restored optimizer keeps the old one, while config.json would say new)."""
+    if not cfg.resume:
+        if any(out_dir.glob("checkpoint-[0-9]*")):
+            raise SystemExit(f"error: {out_dir} already holds checkpoints; add --resume to continue that run, "
+                             f"or choose another --output-dir")
+        return None
+    if (ckpt := latest_checkpoint(out_dir)) is None:
+        log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
+        return None
+    saved, now = json.loads((ckpt / "config.json").read_text()), dataclasses.asdict(cfg)
+    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in saved
+               if k in now and k not in RESUME_SAFE and saved[k] != now[k]]
+    if changed:
+        raise SystemExit(f"error: --resume would change the run saved in {ckpt}: {'; '.join(changed)}. Only these "
+                         f"may change: {', '.join('--' + k.replace('_', '-') for k in RESUME_SAFE[2:])}")
+    return ckpt
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:
@@ -2550,8 +2612,9 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
                                        truths, judge)
     group_ids = [i // G for i in range(len(states))]
-    adv = group_advantages(rewards, group_ids, cfg.adv_scale)
-    rows = build_rows(states, adv, G)
+    rows = build_rows(states, group_advantages(rewards, group_ids, cfg.adv_scale), G)
+    if cfg.adv_unit == "turn":
+        set_turn_advantages(rows, rewards, cfg.adv_scale)
     rollout_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -2644,21 +2707,17 @@ def train(cfg: Config) -> Path:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     data_rows = load_questions(cfg.train_file)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, a read-only disk
+        raise SystemExit(f"error: cannot create the folder --output-dir {out_dir}: {e.strerror}")
+    ckpt = resume_point(out_dir, cfg)  # before the model loads: a refusal costs nothing
     model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
     judge = make_judge(cfg, fixed)
     optimizer, scheduler = make_optimizer(model, cfg)
     data = DataStream(len(data_rows), cfg.seed)
-    start = 0
-    if not cfg.resume and latest_checkpoint(out_dir) is not None:  # never mix two runs in one folder
-        raise SystemExit(f"error: {out_dir} already holds checkpoints; add --resume to continue that run, "
-                         f"or choose another --output-dir")
-    if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:
-        start = load_checkpoint(ckpt, model, optimizer, scheduler, data)
-        log(f"resumed from {ckpt} (step {start})")
-    elif cfg.resume:
-        log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
+    start = load_checkpoint(ckpt, model, optimizer, scheduler, data) if ckpt else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         trim_jsonl(out_dir / name, start)
     if cfg.sft_steps > 0 and latest_checkpoint(out_dir) is None:  # a fresh run: warm-start, then checkpoint-0
@@ -2668,7 +2727,7 @@ def train(cfg: Config) -> Path:
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
 
-    last = latest_checkpoint(out_dir)
+    last = ckpt
     rng = rng_state()
     bar = tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True)
     with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a") as mf, \
@@ -3021,6 +3080,9 @@ def plot_run(cfg: Config) -> list[dict]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = parse_config(argv)
+    if "OMP_NUM_THREADS" not in os.environ and (cfg.learning_curve or pick_device(cfg) == "cpu"):
+        # torch's threads spin-wait for each other: one per core stalls whenever anything else runs (README)
+        torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     if cfg.learning_curve:  # always the tiny model on CPU: no GPU check
         learning_curve(cfg)
         return 0
@@ -3050,4 +3112,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SystemExit as e:  # an `error: ...` line from below: printed, then exit code 2 as for argparse's errors
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            e.code = 2
+        raise

@@ -39,6 +39,8 @@ from flow_grpo import (TOOL_CLASSES, GeneralistTool, PythonCoderTool, WebRAGTool
                        chunk_words, embedding_top_k, fetch_limited, make_tools, page_text, run_python)
 
 ROOT = Path(__file__).resolve().parent
+if "OMP_NUM_THREADS" not in os.environ:  # as flow_grpo's CLI does on CPU (see run_cli): cores are shared
+    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
 
 
 class ScriptedEngine(fg.Engine):
@@ -1208,7 +1210,7 @@ def make_rows(samples, adv, group):
 
 
 def test_help_explains_every_option():
-    out = subprocess.run([sys.executable, "flow_grpo.py", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0
     for f in dataclasses.fields(fg.Config):
         flag = "--" + f.name.replace("_", "-")
@@ -1245,7 +1247,7 @@ def test_no_cuda_means_one_clear_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     out = subprocess.run([sys.executable, "flow_grpo.py", "--output-dir", str(tmp_path)], capture_output=True,
-                         text=True, cwd=ROOT)
+                         text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "--preset smoke" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -1723,7 +1725,7 @@ def test_group_advantages():
     assert torch.allclose(none, torch.tensor([0.5, -0.5, 0, 0]))
     batch = fg.group_advantages([1, 0, 3, 1], [0, 0, 1, 1], scale="batch")
     centred = torch.tensor([0.5, -0.5, 1.0, -1.0])
-    assert torch.allclose(batch, centred / centred.std(), atol=1e-4)
+    assert torch.allclose(batch, centred / torch.tensor([1.0, 0, 3, 1]).std(), atol=1e-4)  # TRL's: std of all rewards
     assert fg.zero_std_frac([1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(2 / 3)
 
 
@@ -2009,12 +2011,20 @@ def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data):
     proc = subprocess.Popen([sys.executable, "flow_grpo.py", "--preset", "smoke", "--max-steps", "50", "--save-every", "100",
                              "--train-file", str(sample_data / "train.parquet"), "--output-dir", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 90
+    def fail(why):  # never wait on a live child without a bound: kill it, then read what it wrote
+        proc.kill()
+        pytest.fail(f"{why}: {proc.communicate(timeout=30)[1][-2000:]}")
+
+    deadline = time.monotonic() + 180
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            fail("no step finished")
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=90)
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        fail("still running 90 s after Ctrl-C")
     assert proc.returncode == 0, err[-2000:]
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 50
@@ -2652,3 +2662,233 @@ def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(t
         assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
         assert torch.equal(s.action_ids, u.action_ids)  # same seed, same law: the same draws
     assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
+
+# ==== datares: unusable data, resume, checkpoints, bounded waits; dual clip, guards, AgentFlow parity ====
+
+
+def write_parquet(path, **columns):
+    pd.DataFrame(columns).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["no result column", "not parquet", "a folder", "output-dir is a file"])
+def test_unusable_input_is_one_error_line_and_exit_code_2(tmp_path, sample_data, monkeypatch, case):
+    monkeypatch.setattr(fg, "build_system", lambda *a, **k: pytest.fail("not refused before loading the model"))
+    train, out = sample_data / "train.parquet", tmp_path / "out"
+    if case == "no result column":
+        train = write_parquet(tmp_path / "t.parquet", id=[0], question=["2+2?"])
+    elif case == "not parquet":
+        train = tmp_path / "t.parquet"
+        train.write_text("question,result\n2+2?,4\n")
+    elif case == "a folder":
+        train = tmp_path
+    else:
+        out.write_text("a file, not a folder")
+    with pytest.raises(SystemExit) as e:  # `python flow_grpo.py` prints it and exits with 2 (see the next test)
+        fg.main(["--model", "tiny", "--device", "cpu", "--train-file", str(train), "--output-dir", str(out)])
+    assert str(e.value.code).startswith("error:") and "\n" not in str(e.value.code), e.value.code
+
+
+def test_cli_exit_code_2_for_an_empty_training_file(tmp_path):
+    """It used to spin at 100% CPU forever in DataStream.next_batch: a subprocess, so a regression cannot hang."""
+    train = write_parquet(tmp_path / "t.parquet", id=[], question=[], result=[], source=[])
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--model", "tiny", "--device", "cpu", "--train-file",
+                          str(train), "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("error:") and "Traceback" not in out.stderr, out.stderr
+    with pytest.raises(AssertionError):
+        fg.DataStream(0, seed=0).next_batch(2)
+
+
+def test_rows_without_ground_truth_are_dropped_with_a_count(tmp_path, capsys):
+    path = write_parquet(tmp_path / "t.parquet", id=[0, 1, 2, 3, 4], question=["a?", "b?", "c?", "d?", None],
+                         result=["1", None, float("nan"), " ", "5"], source=["s"] * 5)
+    rows = fg.load_questions(str(path))
+    assert [(r["question"], r["answer"]) for r in rows] == [("a?", "1")]
+    assert "dropped 4 of 5 rows" in capsys.readouterr().err
+    assert fg.load_questions(str(write_parquet(tmp_path / "u.parquet", question=["q"], result=[7])))[0]["answer"] == "7"
+
+
+def fake_checkpoint(out_dir, step, cfg):
+    """A checkpoint folder with the three files read_checkpoint checks (no model needed)."""
+    from safetensors.torch import save_file
+
+    ckpt = out_dir / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    save_file({"w": torch.zeros(64)}, str(ckpt / "adapter_model.safetensors"))
+    torch.save({"step": step, "pad": torch.zeros(256)}, ckpt / "trainer_state.pt")
+    (ckpt / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    return ckpt
+
+
+def test_resume_refuses_flags_that_change_the_run_and_allows_safe_ones(tmp_path, sample_data, monkeypatch):
+    monkeypatch.setattr(fg, "build_system", lambda *a, **k: pytest.fail("not refused before loading the model"))
+    cfg = smoke_cfg(tmp_path, sample_data, max_steps=2)
+    ckpt = fake_checkpoint(tmp_path, 2, cfg)
+    for flags in (dict(lr=0.5), dict(batch_size=cfg.batch_size + 1, group_size=cfg.group_size + 1), dict(train_file=str(sample_data / "val.parquet"))):
+        with pytest.raises(SystemExit) as e:  # before the model is built: train() must refuse, not run
+            fg.train(dataclasses.replace(cfg, resume=True, **flags))
+        msg = str(e.value.code)
+        assert msg.startswith("error:") and "\n" not in msg
+        assert all(f"--{k.replace('_', '-')} " in msg for k in flags) and "--max-steps" in msg, msg
+    safe = dataclasses.replace(cfg, resume=True, max_steps=9, save_every=5, log_rollouts=0, micro_batch_size=1)
+    assert fg.resume_point(tmp_path, safe) == ckpt
+
+
+@pytest.mark.parametrize("part", ["adapter_model.safetensors", "trainer_state.pt", "config.json"])
+def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys, part):
+    cfg = fg.Config(model="tiny")
+    older, newer = fake_checkpoint(tmp_path, 1, cfg), fake_checkpoint(tmp_path, 2, cfg)
+    assert fg.latest_checkpoint(tmp_path) == newer
+    data = (newer / part).read_bytes()
+    (newer / part).write_bytes(data[:len(data) // 2])  # a full disk or a partial copy
+    capsys.readouterr()
+    assert fg.latest_checkpoint(tmp_path) == older
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint-2" in err[0]
+    assert fg.resume_point(tmp_path, dataclasses.replace(cfg, resume=True)) == older
+
+
+def test_every_wait_in_these_tests_has_a_timeout():
+    """A failing test must fail, not hang: no subprocess run/communicate/wait or thread join without a bound."""
+    tree = ast.parse(Path(__file__).read_text())
+    unbounded = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, bounded = node.func.attr, any(k.arg == "timeout" for k in node.keywords)
+        is_subprocess_run = name in ("run", "check_output", "call") and getattr(node.func.value, "id", "") == "subprocess"
+        if (is_subprocess_run or (name in ("communicate", "wait", "join") and not node.args)) and not bounded:
+            unbounded.append(node.lineno)
+    assert not unbounded, f"calls without a timeout at lines {unbounded}"
+
+
+# ---- the loss: verl's dual clip and guards; AgentFlow's objective; any hashable ids
+
+
+def one_token_loss(log_ratio, adv, **kw):
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    loss, stats = fg.grpo_loss(logp, logp.detach() - log_ratio, logp.detach(), torch.tensor([adv]),
+                               torch.ones(1, 1, dtype=torch.bool), kl_coef=0.0, agg="token-mean", **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.item(), grad.item(), stats
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    assert fg.grpo_loss.__kwdefaults__["clip_ratio_c"] == 3.0 == fg.Config.clip_ratio_c  # AgentFlow's (verl's)
+    loss, grad, stats = one_token_loss(math.log(5.0), -2.0)  # rho = 5 > c = 3, A < 0: loss capped at -c*A = 6
+    assert loss == pytest.approx(6.0) and grad == 0.0 and stats["dual_clip_frac"] == 1.0
+    loss, grad, stats = one_token_loss(math.log(5.0), -2.0, clip_ratio_c=None)  # off: -rho*A = 10, gradient flows
+    assert loss == pytest.approx(10.0) and grad == pytest.approx(10.0) and stats["dual_clip_frac"] == 0.0
+    loss, grad, _ = one_token_loss(math.log(2.0), -2.0)  # rho = 2 < c: untouched
+    assert loss == pytest.approx(4.0) and grad == pytest.approx(4.0)
+    assert fg.parse_config(["--clip-ratio-c", "0"]).clip_ratio_c == 0  # 0 = off on the command line
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--clip-ratio-c", "0.5"])
+
+
+def test_extreme_log_ratios_and_kl_stay_finite_and_bounded():
+    for adv in (1.0, -1.0):
+        for c in (3.0, None):
+            loss, grad, _ = one_token_loss(100.0, adv, clip_ratio_c=c)  # exp(100) overflows float32
+            assert math.isfinite(loss) and math.isfinite(grad), (adv, c)
+    logp = torch.tensor([[-60.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]])  # ref - logp = 59: unclamped k3 would be ~4e25
+    loss, stats = fg.grpo_loss(logp, logp.detach(), ref, torch.tensor([0.0]), torch.ones(1, 2, dtype=torch.bool),
+                               kl_coef=0.1, agg="token-mean")
+    loss.backward()
+    assert 0 < loss.item() <= 0.1 * 10 and stats["kl"] <= 10 and torch.isfinite(logp.grad).all()
+
+
+def verl_grpo_outcome_advantage(scores, index, eps=1e-6):
+    """Transcribed from the shape of verl's compute_grpo_outcome_advantage: one score per row, grouped by uid."""
+    by_uid = {}
+    for s, uid in zip(scores, index):
+        by_uid.setdefault(uid, []).append(s)
+    stats = {uid: (torch.tensor(0.0), torch.tensor(1.0)) if len(v) == 1 else
+             (torch.mean(torch.tensor(v)), torch.std(torch.tensor([v]))) for uid, v in by_uid.items()}
+    return torch.stack([(torch.tensor(s) - stats[u][0]) / (stats[u][1] + eps) for s, u in zip(scores, index)])
+
+
+def verl_actor_loss(old, logp, ref, adv_BT, mask, lo, hi, c, kl_coef):
+    """verl's compute_policy_loss (vanilla, dual clip) + agg_loss('token-mean') + low_var_kl KL loss."""
+    def masked_mean(x):
+        return (x * mask).sum() / mask.sum()
+    neg_kl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_kl)
+    pg_losses1 = -adv_BT * ratio
+    pg_losses2 = -adv_BT * torch.clamp(ratio, 1 - lo, 1 + hi)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    clip_pg_losses2 = torch.min(-adv_BT * c, clip_pg_losses1)
+    pg_losses = torch.where(adv_BT < 0, clip_pg_losses2, clip_pg_losses1)
+    kl = torch.clamp(ref - logp, min=-20, max=20)
+    kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    return masked_mean(pg_losses) + kl_coef * masked_mean(kld)
+
+
+def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objective():
+    g = torch.Generator().manual_seed(3)
+    B, G = 3, 4
+    rewards = [float(x) for x in torch.randint(0, 2, (B * G,), generator=g)] + [1.0] * G  # + a zero-variance group
+    turns = torch.randint(1, 5, (len(rewards),), generator=g).tolist()
+    rows = [fg.Row(torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.0, i, f"q{i // G}")  # string ids
+            for i, t in enumerate(turns) for _ in range(t)]
+    fg.set_turn_advantages(rows, rewards, "group")
+    lens = torch.randint(1, 7, (len(rows),), generator=g)
+    mask = torch.arange(6)[None, :] < lens[:, None]
+    logp = (-2 * torch.rand(len(rows), 6, generator=g)).requires_grad_()
+    old = logp.detach() + 1.5 * torch.randn(len(rows), 6, generator=g)  # big moves: both clips and the dual clip
+    ref = logp.detach() + 0.5 * torch.randn(len(rows), 6, generator=g)
+    adv_R = torch.tensor([r.advantage for r in rows])
+    ours, stats = fg.grpo_loss(logp, old, ref, adv_R, mask, clip_low=0.2, clip_high=0.3, clip_ratio_c=3.0,
+                               kl_coef=0.01, agg="token-mean")
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    verl_adv = verl_grpo_outcome_advantage([rewards[r.traj_id] for r in rows], [r.group_id for r in rows])
+    theirs = verl_actor_loss(old, logp, ref, verl_adv[:, None] * mask, mask, 0.2, 0.3, 3.0, 0.01)
+    (grad_theirs,) = torch.autograd.grad(theirs, logp)
+    assert stats["dual_clip_frac"] > 0 and stats["clip_frac"] > 0
+    assert torch.allclose(adv_R, verl_adv, atol=1e-6)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
+    per_traj = fg.group_advantages(rewards, [i // G for i in range(len(rewards))])  # the paper's unit differs
+    assert not torch.allclose(adv_R, torch.tensor([float(per_traj[r.traj_id]) for r in rows]), atol=1e-2)
+    assert fg.parse_config(["--adv-unit", "turn"]).adv_unit == "turn"
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--adv-unit", "token"])
+
+
+def test_ids_of_any_hashable_type_and_the_five_tensor_call():
+    r = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    ints, strs = [0, 0, 1, 1, 2, 2], ["q1", "q1", "q2", "q2", "q3", "q3"]
+    assert torch.equal(fg.group_advantages(r, strs), fg.group_advantages(r, ints))
+    assert torch.equal(fg.group_advantages(r, torch.tensor(ints)), fg.group_advantages(r, ints))
+    assert fg.zero_std_frac(r, strs) == fg.zero_std_frac(r, ints) == pytest.approx(1 / 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(fg.aggregation_weights(mask, "turn", ["a", "a", "b"]), fg.aggregation_weights(mask, "turn", [5, 5, 9]))
+    g = torch.Generator().manual_seed(0)
+    logp, old, ref = (-torch.rand(3, 3, generator=g) for _ in range(3))
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    five, _ = fg.grpo_loss(logp, old, ref, adv, mask)  # agg='turn' without traj_ids: each row its own trajectory
+    assert five.item() == pytest.approx(fg.grpo_loss(logp, old, ref, adv, mask, agg="seq-mean-token-mean")[0].item())
+    with pytest.raises(ValueError):
+        fg.group_advantages(r, ints, scale="grouped")
+
+
+def test_batch_scale_is_trls_std_of_all_rewards():
+    # one informative group of 16 among zero-variance ones: centred / std(ALL rewards), as TRL's scale_rewards='batch'
+    r = torch.tensor([1.0] * 4 + [0.0] * 12 + [1.0] * 16 + [0.0] * 16)
+    ids = [i // 16 for i in range(len(r))]
+    centred = r - r.view(-1, 16).mean(1).repeat_interleave(16)
+    assert torch.allclose(fg.group_advantages(r, ids, scale="batch"), centred / (r.std() + 1e-6), atol=1e-6)
+
+
+def test_cpu_runs_use_half_the_cores_unless_omp_num_threads_says_otherwise(tmp_path, monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(SystemExit, match="not found"):
+            fg.main(["--model", "tiny", "--device", "cpu", "--train-file", str(tmp_path / "none.parquet")])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
