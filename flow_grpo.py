@@ -26,6 +26,15 @@ Every turn is trained with ITS OWN prompt s_it, which already holds the memory a
 environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the base model:
 the same weights with the LoRA adapter switched off (peft's disable_adapter()), so there is no second copy.
 
+WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO itself; the rest is plumbing.
+    8  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
+    8  action_logprobs    the same log-probs recomputed in one batched, differentiable forward pass
+    10 group_advantages   A_i from the rewards of each group of G trajectories
+    11 grpo_loss          clipped ratio (with verl's dual clip), k3 KL, three aggregations of the token losses
+    12 update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
+  Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
+  9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
+
 SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group with no parsed plan
 has no reward variance: nothing to learn from. --sft-steps N first fits the planner, by cross-entropy on action
 tokens (the same action_logprobs, its own AdamW), to format-only plans: a rollout's turn-1 prompt -> a short plan
@@ -107,76 +116,82 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # pe
 # =====================================================================================================
 
 
+def arg(default: Any, help: str) -> Any:
+    """A Config field with its --help line, so the dataclass stays the one place to look."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Config:
     # --- what to do (default: train) ---
-    ask: str = ""  # run the agent once on this question and print the whole trajectory
-    eval: bool = False  # evaluate the planner greedily on --val-file and print accuracy
-    benchmark: bool = False  # time lockstep vs one-at-a-time rollouts, remote concurrency, update memory
-    learning_curve: bool = False  # train the tiny model on the toy task for 3 seeds, print reward per step
-    preset: str = ""  # 'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic; CPU, offline, flags override
-    plot: bool = False  # reward, plan-parse rate, tool shares per step of --output-dir's run (table; PNG if matplotlib)
+    ask: str = arg("", "run the agent once on this question and print the whole trajectory")
+    eval: bool = arg(False, "evaluate the planner greedily on --val-file and print accuracy")
+    benchmark: bool = arg(False, "time lockstep vs one-at-a-time rollouts, remote concurrency, update memory")
+    learning_curve: bool = arg(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
+    preset: str = arg("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic (CPU, offline)")
+    plot: bool = arg(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
     # --- models and engines ---
-    model: str = "Qwen/Qwen2.5-1.5B-Instruct"  # policy base: HF id, folder, .gguf file, 'smollm2-135m' or 'tiny'
-    adapter: str = ""  # a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training
-    fixed_base_url: str = ""  # OpenAI-compatible URL for the fixed roles; empty = frozen base in-process
-    fixed_model: str = ""  # model name served at --fixed-base-url
-    judge: str = "rule"  # reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)
-    judge_base_url: str = ""  # OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)
-    judge_model: str = ""  # model name of the LLM judge
-    api_key_env: str = "OPENAI_API_KEY"  # name of the env variable holding the API key (never printed)
-    embed_base_url: str = ""  # OpenAI-compatible embeddings URL to rank web passages (empty = BM25, no key)
-    embed_model: str = ""  # embeddings model name at --embed-base-url
-    request_timeout_s: float = 60.0  # timeout of one remote request (not retried: see OpenAIEngine)
-    device: str = "auto"  # 'auto' (cuda if available), 'cuda' or 'cpu'
-    load_in_4bit: bool = False  # QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)
-    gradient_checkpointing: bool = False  # trade compute for memory in the update
-    phase_timeout_s: float = 300.0  # deadline of each rollout phase (one batch of remote calls, the tool calls)
+    model: str = arg("Qwen/Qwen2.5-1.5B-Instruct", "policy base: HF id, folder, .gguf file, 'smollm2-135m' or 'tiny'")
+    adapter: str = arg("", "a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training")
+    fixed_base_url: str = arg("", "OpenAI-compatible URL for the fixed roles; empty = frozen base in-process")
+    fixed_model: str = arg("", "model name served at --fixed-base-url")
+    judge: str = arg("rule", "reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)")
+    judge_base_url: str = arg("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
+    judge_model: str = arg("", "model name of the LLM judge")
+    api_key_env: str = arg("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
+    embed_base_url: str = arg("", "OpenAI-compatible embeddings URL to rank web passages (empty = BM25, no key)")
+    embed_model: str = arg("", "embeddings model name at --embed-base-url")
+    request_timeout_s: float = arg(60.0, "timeout of one remote request (a timed-out request is not retried)")
+    device: str = arg("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
+    load_in_4bit: bool = arg(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
+    gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
+    phase_timeout_s: float = arg(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
     # --- data ---
-    train_file: str = "data/train/combined_train.parquet"  # training parquet from prepare_data.py
-    val_file: str = "data/val/aime24.parquet"  # validation parquet for --eval
-    eval_limit: int = 0  # evaluate on the first N validation questions only (0 = all)
+    train_file: str = arg("data/train/combined_train.parquet", "training parquet from prepare_data.py")
+    val_file: str = arg("data/val/aime24.parquet", "validation parquet for --eval")
+    eval_limit: int = arg(0, "evaluate on the first N validation questions only (0 = all)")
     # --- the agent ---
-    tools: str = "Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,Web_RAG_Search_Tool"  # comma list
-    max_turns: int = 5  # planner turns per trajectory at most
-    max_new_tokens: int = 256  # longest planner action, in tokens
-    fixed_max_tokens: int = 512  # longest output of a fixed role or a tool's LLM call
-    memory_chars: int = 2000  # every string in a tool result is cut to this many characters in memory
-    tool_timeout_s: float = 10.0  # wall-clock limit of one tool call (Python sandbox, web requests)
-    tool_workers: int = 8  # tool calls running at once
+    tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,Web_RAG_Search_Tool",
+                     "comma-separated tool names (the default: all of them)")
+    max_turns: int = arg(5, "planner turns per trajectory at most")
+    max_new_tokens: int = arg(256, "longest planner action, in tokens")
+    fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
+    memory_chars: int = arg(2000, "every string in a tool result is cut to this many characters in memory")
+    tool_timeout_s: float = arg(10.0, "wall-clock limit of one tool call (Python sandbox, web requests)")
+    tool_workers: int = arg(8, "tool calls running at once")
     # --- rollout and Flow-GRPO ---
-    batch_size: int = 4  # B: questions per training step
-    group_size: int = 8  # G: trajectories sampled per question (the GRPO group)
-    temperature: float = 0.7  # sampling temperature of the planner during rollouts
-    adv_scale: str = "group"  # advantage scaling: 'group' std, 'batch' std, or 'none'
-    agg: str = "turn"  # loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'
-    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
-    clip_high: float = 0.3  # ratio clipped above at 1 + clip_high (asymmetric, "clip-higher")
-    kl_coef: float = 0.001  # beta: weight of the k3 KL to the base model
-    old_logprobs: str = "recompute"  # pi_old: 'recompute' (by the update's own code) or 'captured' (the sampler's)
-    ppo_epochs: int = 1  # passes over each rollout batch
-    num_minibatches: int = 1  # optimizer steps per pass (the batch is split by trajectory)
-    micro_batch_size: int = 4  # turn rows per forward/backward (gradient accumulation inside a minibatch)
-    clip_ratio_c: float = 3.0  # dual clip (verl, AgentFlow): for A < 0 the loss stops at -c*A once ratio > c (0 = off)
-    adv_unit: str = "trajectory"  # normalise over a question's 'trajectory's (paper) or its 'turn'-rows (AgentFlow)
+    batch_size: int = arg(4, "B: questions per training step")
+    group_size: int = arg(8, "G: trajectories sampled per question (the GRPO group)")
+    temperature: float = arg(0.7, "sampling temperature of the planner during rollouts")
+    adv_scale: str = arg("group", "advantage scaling: 'group' std, 'batch' std, or 'none'")
+    agg: str = arg("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
+    clip_low: float = arg(0.2, "ratio clipped below at 1 - clip_low")
+    clip_high: float = arg(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
+    kl_coef: float = arg(0.001, "beta: weight of the k3 KL to the base model")
+    old_logprobs: str = arg("recompute", "pi_old: 'recompute' (by the update's own code) or 'captured' (the sampler's)")
+    ppo_epochs: int = arg(1, "passes over each rollout batch")
+    num_minibatches: int = arg(1, "optimizer steps per pass (the batch is split by trajectory)")
+    micro_batch_size: int = arg(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
+    clip_ratio_c: float = arg(3.0, "dual clip (verl, AgentFlow): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
+    adv_unit: str = arg("trajectory", "advantages over a question's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
     # --- optimisation ---
-    lr: float = 1e-5  # AdamW learning rate of the LoRA weights
-    weight_decay: float = 0.0  # AdamW weight decay
-    warmup_steps: int = 5  # linear warmup steps before the cosine decay
-    max_steps: int = 200  # training steps (one rollout batch each)
-    max_grad_norm: float = 1.0  # gradient-norm clip
-    lora_r: int = 16  # LoRA rank
-    lora_alpha: int = 32  # LoRA alpha (scale = alpha / r)
-    lora_dropout: float = 0.0  # LoRA dropout (0: keeps ratio == 1 before the first update; see header)
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules that get LoRA
-    sft_steps: int = 0  # SFT warm start: steps on format-only plans (tool drawn at random) before GRPO
-    sft_lr: float = 1e-4  # learning rate of the SFT warm start (its own AdamW, constant)
+    lr: float = arg(1e-5, "AdamW learning rate of the LoRA weights")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    warmup_steps: int = arg(5, "linear warmup steps before the cosine decay")
+    max_steps: int = arg(200, "training steps (one rollout batch each)")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    lora_r: int = arg(16, "LoRA rank")
+    lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = arg(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
+    lora_targets: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
+    sft_steps: int = arg(0, "SFT warm start: steps on format-only plans (tool drawn at random) before GRPO")
+    sft_lr: float = arg(1e-4, "learning rate of the SFT warm start (its own AdamW, constant)")
     # --- bookkeeping ---
-    seed: int = 42  # seed of data order, sampling and initialisation
-    output_dir: str = "runs/flow_grpo"  # metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here
-    save_every: int = 25  # save a checkpoint every N steps (and at the end, and on Ctrl-C)
-    log_rollouts: int = 2  # full trajectories written to rollouts.jsonl per step
-    resume: bool = False  # continue from the newest checkpoint in --output-dir
+    seed: int = arg(42, "seed of data order, sampling and initialisation")
+    output_dir: str = arg("runs/flow_grpo", "metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here")
+    save_every: int = arg(25, "save a checkpoint every N steps (and at the end, and on Ctrl-C)")
+    log_rollouts: int = arg(2, "full trajectories written to rollouts.jsonl per step")
+    resume: bool = arg(False, "continue from the newest checkpoint in --output-dir")
 
 
 # Presets change defaults; flags given on the command line still win.
@@ -204,8 +219,6 @@ AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of -
 def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
 
-# One line of help per field, read from the comment after it, so the dataclass stays the one place to look.
-_HELP = dict(re.findall(r"^    (\w+): [^=]+= .*?  # (.*)$", Path(__file__).read_text(), re.M))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(the header of flow_grpo.py explains the method).")
     for f in dataclasses.fields(Config):
         flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
-        helptext = f"{_HELP.get(f.name, '')} (default: {f.default!r})"
+        helptext = f"{f.metadata['help']} (default: {f.default!r})"
         if kind is bool:  # booleans are switches; --no-x turns one off again
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=helptext)
         else:
@@ -239,9 +252,9 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
     if len(modes) > 1:
         parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve, --plot (got {len(modes)})")
-    tools = tool_names(cfg)
-    if not tools or any(t not in TOOL_CLASSES for t in tools):
-        parser.error(f"--tools must name one or more of {sorted(TOOL_CLASSES)}, not {cfg.tools!r}")
+    known = Config.tools.split(",")  # the default enables every tool there is
+    if not tool_names(cfg) or any(t not in known for t in tool_names(cfg)):
+        parser.error(f"--tools must name one or more of {known}, not {cfg.tools!r}")
     if cfg.eval_limit < 0:
         parser.error("--eval-limit must be >= 0 (0 = all)")
     if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once

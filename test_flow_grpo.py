@@ -1215,7 +1215,7 @@ def test_help_explains_every_option():
     for f in dataclasses.fields(fg.Config):
         flag = "--" + f.name.replace("_", "-")
         assert flag in out.stdout, flag
-        assert fg._HELP.get(f.name), f"{f.name} has no help comment"
+        assert f.metadata.get("help"), f"{f.name} has no help comment"
 
 
 def test_flags_beat_presets_and_bad_choices_are_one_line():
