@@ -53,7 +53,7 @@ DELIBERATE SIMPLIFICATIONS (and why)
   * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM)
     run by default on the *frozen base* of the policy (adapter off) in-process, so no server is needed. Point
     --fixed-base-url at a vLLM/OpenAI server to use a bigger fixed model, as the paper does.
-  * Rollouts use our own 25-line sampling loop instead of model.generate() or vLLM: it samples from exactly
+  * Rollouts use our own sampling loop instead of model.generate() or vLLM: it samples from exactly
     softmax(logits / T), so the log-probs we store are the behaviour policy's. (generate() silently fills top-k,
     top-p and repetition penalty from the model's hub config; then the stored log-probs would be wrong.)
     At scale you would sample with vLLM and recompute old log-probs (--old-logprobs recompute, the default).
@@ -1836,7 +1836,7 @@ def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: E
         return sample_actions(model, tokenizer, [render_chat(tokenizer, p) for p in prompts],
                               max_new_tokens=max_new_tokens, temperature=temperature, share_prefill=share_prefill)
 
-    model.eval()  # rollouts never need dropout or autograd
+    model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
                        tools=tools, max_turns=max_turns, memory_chars=memory_chars, tool_workers=tool_workers,
                        timings=timings)
@@ -2056,7 +2056,7 @@ def zero_std_frac(rewards, group_ids) -> float:
 
 
 def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
-    """Per-token weights [B, T] that sum to 1 over the batch.
+    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch.
 
     'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
     'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
@@ -2064,18 +2064,18 @@ def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) ->
     traj_ids: the trajectory of each row (any hashable ids); without them every row is its own trajectory,
     so 'turn' equals 'seq-mean-token-mean'.
     """
-    m = mask.float()
-    per_row = m / m.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
+    mask_BA = mask.float()
+    per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
     if agg == "token-mean":
-        return m / m.sum().clamp(min=1)
+        return mask_BA / mask_BA.sum().clamp(min=1)
     if agg == "seq-mean-token-mean":
-        return per_row / m.shape[0]
+        return per_row_BA / mask_BA.shape[0]
     if agg == "turn":
-        trajs = group_members(range(m.shape[0]) if traj_ids is None else traj_ids)
-        turns_B = torch.empty(m.shape[0], device=m.device)
+        trajs = group_members(range(mask_BA.shape[0]) if traj_ids is None else traj_ids)
+        turns_B = torch.empty(mask_BA.shape[0], device=mask_BA.device)
         for idx in trajs:
             turns_B[idx] = len(idx)  # T_i for the trajectory of each row
-        return per_row / (turns_B[:, None] * len(trajs))
+        return per_row_BA / (turns_B[:, None] * len(trajs))
     raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
 
 
@@ -2085,7 +2085,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
               weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
     """The Flow-GRPO loss (to MINIMISE) and its statistics.
 
-    logp/old_logp/ref_logp/mask: [B, T] (one row per planner turn), advantages: [B] (the trajectory's A_i).
+    logp/old_logp/ref_logp/mask: [B, A] (one row per planner turn), advantages: [B] (the trajectory's A_i).
     weights: precomputed aggregation_weights for these rows (micro-batches of a bigger minibatch); by default
     they are computed from `agg` and traj_ids over this batch alone.
     Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
@@ -2094,28 +2094,27 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     clip_ratio_c (verl's dual clip, None = off): for A < 0 and rho > clip_ratio_c the loss stays at
     -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update.
     """
-    m = mask.bool()
-    w = weights if weights is not None else aggregation_weights(m, agg, traj_ids)
+    mask_BA = mask.bool()
+    w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
     # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
     # The clamps (as verl's) keep exp() finite, so a stale pi_old or a far-off pi_ref cannot give inf or NaN.
-    log_ratio = torch.where(m, logp - old_logp, 0.0).clamp(-20, 20)
-    ratio = torch.exp(log_ratio)
-    adv = advantages.to(logp.device, logp.dtype)[:, None]
-    surr_unclipped = ratio * adv
-    surr_clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
-    pg_loss = -torch.minimum(surr_unclipped, surr_clipped)
+    ratio_BA = torch.exp(torch.where(mask_BA, logp - old_logp, 0.0).clamp(-20, 20))
+    adv_B1 = advantages.to(logp.device, logp.dtype)[:, None]
+    surr_BA = ratio_BA * adv_B1
+    surr_clipped_BA = ratio_BA.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    pg_loss_BA = -torch.minimum(surr_BA, surr_clipped_BA)
     if clip_ratio_c is not None:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
-        pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, -clip_ratio_c * adv), pg_loss)
-    delta = torch.where(m, ref_logp - logp, 0.0).clamp(-20, 20)
-    kl = (torch.exp(delta) - delta - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref): unbiased, >= 0
-    loss = ((pg_loss + kl_coef * kl) * w).sum()
+        pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
+    delta_BA = torch.where(mask_BA, ref_logp - logp, 0.0).clamp(-20, 20)
+    kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
+    loss = ((pg_loss_BA + kl_coef * kl_BA) * w_BA).sum()
     with torch.no_grad():
-        n = m.sum().clamp(min=1).item()
-        stats = {"clip_frac": ((surr_clipped < surr_unclipped) & m).sum().item() / n,
-                 "dual_clip_frac": ((adv < 0) & (ratio > (clip_ratio_c or math.inf)) & m).sum().item() / n,
-                 "kl": (kl * m).sum().item() / n,
-                 "ratio_mean": (ratio * m).sum().item() / n,
-                 "tokens": int(m.sum().item())}
+        n = mask_BA.sum().clamp(min=1).item()
+        stats = {"clip_frac": ((surr_clipped_BA < surr_BA) & mask_BA).sum().item() / n,
+                 "dual_clip_frac": ((adv_B1 < 0) & (ratio_BA > (clip_ratio_c or math.inf)) & mask_BA).sum().item() / n,
+                 "kl": (kl_BA * mask_BA).sum().item() / n,
+                 "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
+                 "tokens": int(mask_BA.sum().item())}
     return loss, stats
 
 
