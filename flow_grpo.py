@@ -1038,10 +1038,9 @@ def _grounded_prompt(query: str, source: str, passages: list[str], if_unanswered
 # --- Tool base class
 
 class Tool:
-    """Subclasses set the class attributes and implement run(). The planner and the executor read describe();
-    __call__ validates the executor's arguments and runs. Every tool takes the same two options, so make_tools can
-    give them to all: timeout_s, the wall-clock limit of its work outside the LLM (sandbox, network), and
-    max_tokens, the cap on its LLM replies (None: the engine's default)."""
+    """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). Every
+    tool takes the same two options, so make_tools can give them to all: timeout_s limits its work outside the LLM
+    (sandbox, network) in wall-clock time, max_tokens caps its LLM replies (None: the engine's default)."""
     name = description = limitations = tips = ""
     input_model: type[BaseModel] = BaseModel
 
@@ -1157,9 +1156,8 @@ class WikipediaInput(_ToolInput):
 
 
 def _fetch_wikipedia_page(title: str) -> dict:
-    """{"title", "url", "content"} (two requests, so it runs in a worker thread), or {"title", "error"} for a missing
-    or disambiguation page. auto_suggest=False: the title is an exact search result; auto-suggest would spend a
-    request on a new search and may load a different page."""
+    """{"title", "url", "content"} (two requests: run it in a worker thread), or {"title", "error"}. auto_suggest=False:
+    the title is an exact search hit; auto-suggest would search again and may load a different page."""
     try:
         page = wikipedia.page(title, auto_suggest=False)
         return {"title": page.title, "url": page.url, "content": page.content}
@@ -1331,7 +1329,7 @@ class WebRAGTool(Tool):
 
 # --- Registry (no Google search tool: the original system's needs a proprietary SDK and an API key)
 
-TOOL_CLASSES = {tool.name: tool for tool in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
+TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
 
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
