@@ -759,17 +759,11 @@ class Memory:
 # =====================================================================================================
 # 6. Tools
 # =====================================================================================================
-# The planner never touches the world directly: it names a tool and a sub-goal,
-# the executor turns that into JSON arguments, and one of the tools below does
-# the work. Every tool therefore has two faces:
-#   * metadata the planner READS in its prompt (name, description, input schema,
-#     limitations, tips) -- these strings are part of what the policy learns, so
-#     they are short, concrete and stable;
-#   * run(), which must never crash the rollout: an error becomes a value the
-#     verifier and the planner can see and react to ("timed out", "no page").
-# The building blocks come first: a sandbox for model-written Python, a tiny
-# retrieval stack (chunking + BM25 + optional embeddings), and a wall-clock
-# timeout for libraries that have none.
+# The planner names a tool and a sub-goal, the executor turns them into JSON arguments, and a tool below does the
+# work. Each tool has two faces: describe(), the contract the planner and the executor read in their prompts (part
+# of what the policy learns, so short, concrete and stable), and run(), which never crashes the rollout: an error
+# becomes a value the verifier and the planner can react to ("timed out", "no page"). The building blocks come
+# first: a sandbox for model-written Python, wall-clock timeouts, retrieval (chunking, BM25, optional embeddings).
 
 
 # -----------------------------------------------------------------------------
@@ -952,23 +946,16 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024,
                 "timed_out": False, "returncode": None}
 
 
-# -----------------------------------------------------------------------------
-# Wall-clock timeouts for blocking library calls
-# -----------------------------------------------------------------------------
-# The `wikipedia` package calls requests.get(...) WITHOUT a timeout, so one
-# stalled TCP connection would freeze a rollout forever. Python cannot kill a
-# thread, but it can stop WAITING for one: run the call in a daemon thread and
-# give up on its result after timeout_s. The abandoned thread lingers until its
-# socket returns; being a daemon, it never blocks interpreter exit. (A plain
-# ThreadPoolExecutor would: since Python 3.9 its workers are joined at exit.)
+# --- Wall-clock timeouts for blocking library calls
+# `wikipedia` calls requests.get() without a timeout: one stalled connection would freeze a rollout. Python cannot
+# kill a thread but can stop WAITING for one: the call runs in a daemon thread, abandoned after timeout_s until its
+# socket returns; a daemon never blocks interpreter exit (ThreadPoolExecutor's workers are joined at exit).
 
 def submit_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
     """Start fn(*args, **kwargs) in a fresh daemon thread; return a Future for its result."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def worker() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
         try:
             future.set_result(fn(*args, **kwargs))
         except BaseException as e:  # delivered to whoever calls future.result()
@@ -979,7 +966,7 @@ def submit_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -
 
 
 def wait_result(future: concurrent.futures.Future, timeout_s: float) -> Any:
-    """future.result(timeout), re-raising a timeout as TimeoutError with a readable message."""
+    """future.result(timeout_s), a timeout re-raised as TimeoutError with a readable message."""
     try:
         return future.result(timeout=max(0.0, timeout_s))
     except concurrent.futures.TimeoutError:
@@ -987,148 +974,95 @@ def wait_result(future: concurrent.futures.Future, timeout_s: float) -> Any:
 
 
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs), or TimeoutError after timeout_s of wall-clock time.
-
-    >>> call_with_timeout(1.0, sorted, [3, 1, 2])
-    [1, 2, 3]
-    """
+    """fn(*args, **kwargs), or TimeoutError after timeout_s of wall-clock time."""
     return wait_result(submit_in_daemon_thread(fn, *args, **kwargs), timeout_s)
 
 
 def _short_error(e: BaseException, max_chars: int = 300) -> str:
-    """'TypeName: message', one line, bounded -- what tools put in {"error": ...}."""
-    text = " ".join(f"{type(e).__name__}: {e}".split())
-    return text[:max_chars]
+    """'TypeName: message' on one bounded line: what tools put in {"error": ...}."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
 
-# -----------------------------------------------------------------------------
-# Retrieval: chunking, BM25, embeddings
-# -----------------------------------------------------------------------------
-# The RAG tools cannot paste whole pages into a prompt, so they split the text
-# into overlapping word windows and keep the few most relevant ones. BM25 needs
-# no model and no API key, which is why it is the default.
+# --- Retrieval: chunking, BM25, embeddings
+# The RAG tools cannot paste whole pages into a prompt: they split the text into overlapping word windows and keep
+# the few most relevant ones. BM25 needs no model and no API key, which is why it is the default.
 
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
-    """Split text into windows of `size` words; consecutive windows share `overlap`
-    words so a sentence cut at a border is still whole in one of them.
-
-    >>> chunk_words("a b c d e", size=3, overlap=1)
-    ['a b c', 'c d e']
-    """
+    """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
+    whole in one of them: chunk_words("a b c d e", size=3, overlap=1) -> ['a b c', 'c d e']."""
     if size <= 0 or not 0 <= overlap < size:
         raise ValueError(f"need size > 0 and 0 <= overlap < size, got size={size}, overlap={overlap}")
     words = text.split()
-    chunks = []
-    for start in range(0, len(words), size - overlap):
-        chunks.append(" ".join(words[start:start + size]))
-        if start + size >= len(words):  # this window already reached the end
-            break
-    return chunks
+    starts = range(0, max(len(words) - overlap, 1), size - overlap)  # a later start: a window inside the one before
+    return [" ".join(words[s:s + size]) for s in starts] if words else []
 
 
 def tokenize(text: str) -> list[str]:
-    """Lowercase word tokens (letters/digits, any script).
-
-    >>> tokenize("Marie Curie's 2 Nobel-Prizes")
-    ['marie', 'curie', 's', '2', 'nobel', 'prizes']
-    """
+    """Lowercase word tokens in any script: "Curie's 2 Nobel-Prizes" -> ['curie', 's', '2', 'nobel', 'prizes']."""
     return re.findall(r"[^\W_]+", text.lower())
 
 
 def bm25_top_k(query: str, chunks: list[str], k: int = 5, k1: float = 1.5, b: float = 0.75) -> list[int]:
-    """Indices of the k chunks that best match the query under Okapi BM25, best first.
-
-    score(chunk) = sum over distinct query terms t of
-        idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(chunk) / avg_len))
-    with idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5)) (never negative).
-    Ties go to the lower index, so results are deterministic.
-
-    >>> bm25_top_k("red apple", ["green pear", "a red apple", "red car"], k=2)
-    [1, 2]
-    """
+    """Indices of the k chunks that best match the query under Okapi BM25, best first, ties to the lower index:
+        score(chunk) = sum over distinct query terms t of
+                       idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(chunk) / avg_len))
+    with idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5)) >= 0; k1 saturates the term frequency tf, b penalises length."""
     docs = [Counter(tokenize(c)) for c in chunks]
     if not docs or k <= 0:
         return []
     lengths = [sum(d.values()) for d in docs]
-    avg_len = sum(lengths) / len(docs) or 1.0  # all-empty chunks: avoid dividing by zero
-    n = len(docs)
-    scores = [0.0] * n
+    avg_len = sum(lengths) / len(docs) or 1.0  # all chunks empty: avoid dividing by zero
+    scores = [0.0] * len(docs)
     for term in set(tokenize(query)):
-        df = sum(1 for d in docs if term in d)  # document frequency
-        if df == 0:
-            continue
-        idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+        df = sum(term in d for d in docs)  # document frequency
+        idf = math.log(1.0 + (len(docs) - df + 0.5) / (df + 0.5))
         for i, d in enumerate(docs):
-            tf = d.get(term, 0)
-            if tf:
-                # tf saturates (k1) and long chunks are penalised (b)
-                scores[i] += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[i] / avg_len))
-    return sorted(range(n), key=lambda i: (-scores[i], i))[:k]
-
-
-def _cosine(u: list[float], v: list[float]) -> float:
-    """Cosine similarity; 0.0 for a zero vector.
-
-    >>> round(_cosine([1.0, 0.0], [1.0, 1.0]), 4)
-    0.7071
-    """
-    norm = math.hypot(*u) * math.hypot(*v)
-    return sum(a * b for a, b in zip(u, v)) / norm if norm else 0.0
+            if term in d:
+                scores[i] += idf * d[term] * (k1 + 1) / (d[term] + k1 * (1 - b + b * lengths[i] / avg_len))
+    return sorted(range(len(docs)), key=lambda i: (-scores[i], i))[:k]
 
 
 def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str,
                     batch_size: int = 64) -> list[int]:
-    """Like bm25_top_k, but ranks by cosine similarity of embeddings from an
-    OpenAI-compatible /v1/embeddings endpoint (client = openai.OpenAI(base_url=..., api_key=...)).
-    """
+    """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an OpenAI-compatible
+    /v1/embeddings endpoint (client = openai.OpenAI(base_url=..., api_key=...))."""
     if not chunks or k <= 0:
         return []
     texts = [query] + list(chunks)
     vectors: list[list[float]] = []
     for start in range(0, len(texts), batch_size):  # servers cap the inputs per request
-        # encoding_format="float": the openai client otherwise asks for base64,
-        # which some OpenAI-compatible servers do not implement.
+        # "float": the client otherwise asks for base64, which some OpenAI-compatible servers do not implement
         response = client.embeddings.create(model=model, input=texts[start:start + batch_size],
                                             encoding_format="float")
-        # the API returns an `index` per item; don't rely on the list order
-        vectors.extend(item.embedding for item in sorted(response.data, key=lambda d: d.index))
-    if len(vectors) != len(texts):
-        raise ValueError(f"embeddings endpoint returned {len(vectors)} vectors for {len(texts)} inputs")
-    scores = [_cosine(vectors[0], v) for v in vectors[1:]]
-    return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:k]
+        vectors += [item.embedding for item in sorted(response.data, key=lambda d: d.index)]  # not the list order
+    q = vectors[0]
+    cosines = [sum(a * b for a, b in zip(q, v)) / (math.hypot(*q) * math.hypot(*v) or 1.0) for v in vectors[1:]]
+    return sorted(range(len(chunks)), key=lambda i: (-cosines[i], i))[:k]
 
 
-def _numbered_passages(passages: list[str]) -> str:
-    """'[1] first\\n\\n[2] second' -- numbered so the model can refer to them."""
-    return "\n\n".join(f"[{i}] {p}" for i, p in enumerate(passages, start=1))
+def _grounded_prompt(query: str, source: str, passages: list[str], if_unanswered: str = "say so") -> str:
+    """The RAG tools' prompt: answer from the passages only, numbered so the answer can refer to them."""
+    numbered = "\n\n".join(f"[{i}] {p}" for i, p in enumerate(passages, start=1))
+    return (f"Answer the query using ONLY the passages below from {source}. Keep exact names, numbers and dates. "
+            f"If the passages do not answer the query, {if_unanswered}.\n\n"
+            f"Query: {query}\n\nPassages:\n{numbered}\n\nAnswer:")
 
 
-# -----------------------------------------------------------------------------
-# Tool base class
-# -----------------------------------------------------------------------------
-
-def _format_validation_error(e: ValidationError) -> str:
-    """'query: Field required; url: Input should be a valid string'."""
-    return "; ".join(f"{'.'.join(str(part) for part in err['loc']) or '(arguments)'}: {err['msg']}"
-                     for err in e.errors())
-
+# --- Tool base class
 
 class Tool:
-    """Base class. Subclasses set the class attributes below and implement run(). The planner and the
-    executor see describe(); the executor answers in call_schema(name, input_model); __call__ validates the
-    arguments against input_model again (a tool can also be called directly) and calls run()."""
-    name: str = ""
-    description: str = ""
+    """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). Every
+    tool takes the same two options, so make_tools can give them to all: timeout_s limits its work outside the LLM
+    (sandbox, network) in wall-clock time, max_tokens caps its LLM replies (None: the engine's default)."""
+    name = description = limitations = tips = ""
     input_model: type[BaseModel] = BaseModel
-    limitations: str = ""
-    tips: str = ""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None):
         self.engine = engine  # the LLM this tool uses (may differ from the planner's)
+        self.timeout_s, self.max_tokens = timeout_s, max_tokens
 
     def describe(self) -> str:
-        """'Tool: NAME' and indented Description, Input (each field: type, required or not, meaning),
-        Limitations and Tips lines: the whole contract in a few lines of prompt."""
+        """The whole contract in a few lines of prompt: name, description, input fields, limitations, tips."""
         spec = self.input_model.model_json_schema()
         fields = [f"{k} ({v.get('type', 'any')}, {'required' if k in spec.get('required', []) else 'optional'})"
                   + (f": {v['description']}" if v.get("description") else "") for k, v in spec["properties"].items()]
@@ -1139,22 +1073,21 @@ class Tool:
         raise NotImplementedError
 
     def __call__(self, raw_args: dict) -> Any:
-        """Validate the executor's JSON arguments, then run. Bad arguments raise
-        ValueError with a message that names the fields, so the error the
-        planner sees teaches it the right call."""
+        """Validate the executor's JSON arguments, then run. The ValueError for bad arguments names the fields
+        ("query: Field required; url: Input should be a valid string"): the error the planner sees teaches it."""
         if not isinstance(raw_args, dict):
             raise ValueError(f"{self.name} expects a JSON object of arguments, got {type(raw_args).__name__}")
         try:
             args = self.input_model.model_validate(raw_args)
         except ValidationError as e:
-            raise ValueError(f"invalid arguments for {self.name}: {_format_validation_error(e)}") from None
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(arguments)'}: {err['msg']}"
+                                 for err in e.errors())
+            raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
         return self.run(args)
 
 
 class _ToolInput(BaseModel):
-    # extra="forbid": a misspelled key ("querry") is reported by name instead
-    # of being dropped silently and then reported as a missing "query".
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid")  # a misspelled key ("querry") is named, not dropped then "missing"
 
 
 @functools.cache
@@ -1167,9 +1100,7 @@ def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
                         arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
 
 
-# -----------------------------------------------------------------------------
-# Generalist: the LLM itself, answering step by step
-# -----------------------------------------------------------------------------
+# --- Generalist: the LLM itself, answering step by step
 
 class GeneralistInput(_ToolInput):
     query: str = Field(min_length=1, description="The question or sub-task to answer, with all needed context")
@@ -1179,42 +1110,25 @@ class GeneralistTool(Tool):
     name = "Generalist_Solution_Generator_Tool"
     description = "Answers a question or sub-task by step-by-step reasoning with a general-purpose language model."
     input_model = GeneralistInput
-    limitations = ("No internet, files or code execution; may state wrong facts confidently; "
-                   "unreliable at exact arithmetic.")
-    tips = ("Use for reasoning, common knowledge, planning and summarising. Put every needed fact in the "
-            "query; check facts with a search tool and calculations with Python_Coder_Tool.")
-
-    def __init__(self, engine: Engine, max_tokens: int | None = None):
-        super().__init__(engine)
-        self.max_tokens = max_tokens
+    limitations = ("No internet, files or code execution; may state wrong facts confidently; unreliable at exact "
+                   "arithmetic.")
+    tips = ("Use for reasoning, common knowledge, planning and summarising. Put every needed fact in the query; "
+            "check facts with a search tool and calculations with Python_Coder_Tool.")
 
     def run(self, args: GeneralistInput) -> str:
-        prompt = ("Answer the query below. Reason step by step, then give the final answer "
-                  "on a last line that starts with 'Answer:'.\n\n"
-                  f"Query: {args.query}")
+        prompt = ("Answer the query below. Reason step by step, then give the final answer on a last line that "
+                  f"starts with 'Answer:'.\n\nQuery: {args.query}")
         return str(self.engine.ask(prompt, max_tokens=self.max_tokens))
 
 
-# -----------------------------------------------------------------------------
-# Python coder: the LLM writes a program, the sandbox runs it
-# -----------------------------------------------------------------------------
+# --- Python coder: the LLM writes a program, the sandbox runs it
 
-_PYTHON_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_BARE_FENCE = re.compile(r"```[ \t]*\n(.*?)```", re.DOTALL)
-
-
-def extract_python_code(reply: str) -> str | None:
-    """Code of the first ```python block, else of the first bare ``` block, else None.
-    A block tagged with another language (```bash) is never run as Python.
-
-    >>> extract_python_code("Sure:\\n```python\\nprint(1)\\n```")
-    'print(1)\\n'
-    """
-    for pattern in (_PYTHON_FENCE, _BARE_FENCE):
-        match = pattern.search(reply)
-        if match:
-            return match.group(1)
-    return None
+def extract_python_code(reply: str) -> Optional[str]:
+    """Code of the first ```python block, else of the first bare ``` block, else None: a block tagged with
+    another language (```bash) is never run as Python."""
+    match = (re.search(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", reply, re.DOTALL | re.IGNORECASE)
+             or re.search(r"```[ \t]*\n(.*?)```", reply, re.DOTALL))
+    return match.group(1) if match else None
 
 
 class PythonCoderInput(_ToolInput):
@@ -1224,109 +1138,79 @@ class PythonCoderInput(_ToolInput):
 
 class PythonCoderTool(Tool):
     name = "Python_Coder_Tool"
-    description = ("Writes a short Python program for a computational task, runs it in a sandbox "
-                   "and returns the code and its printed output.")
+    description = ("Writes a short Python program for a computational task, runs it in a sandbox and returns the "
+                   "code and its printed output.")
     input_model = PythonCoderInput
-    limitations = ("Python standard library only; no internet, files or user input; a few seconds of "
-                   "run time; the program is written by a language model and can be wrong.")
-    # No example task here: SmolLM2-135M pasted one verbatim into every call (README, "Real models").
-    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in "
-            "the query, with every number it needs.")
+    limitations = ("Python standard library only; no internet, files or user input; a few seconds of run time; "
+                   "the program is written by a language model and can be wrong.")
+    # No example task here: SmolLM2-135M pasted one verbatim into every call.
+    tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
+            "with every number it needs.")
 
-    def __init__(self, engine: Engine, timeout_s: float = 10.0, memory_mb: int = 1024,
-                 max_output_chars: int = 4000, max_tokens: int | None = None):
-        super().__init__(engine)
-        self.timeout_s, self.memory_mb = timeout_s, memory_mb
-        self.max_output_chars, self.max_tokens = max_output_chars, max_tokens
+    memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
 
     def run(self, args: PythonCoderInput) -> dict:
-        prompt = ("Write a short, self-contained Python 3 program that solves the task below.\n"
-                  "Rules:\n"
-                  "- Use only the Python standard library.\n"
-                  "- Do not read user input, files or the network.\n"
+        prompt = ("Write a short, self-contained Python 3 program that solves the task below.\nRules:\n"
+                  "- Use only the Python standard library.\n- Do not read user input, files or the network.\n"
                   "- print() the final result with a short label, e.g. print('answer:', x).\n"
                   "- Put the whole program in ONE block that starts with ```python and ends with ```.\n\n"
                   f"Task: {args.query}")
-        reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
-        code = extract_python_code(reply)
+        code = extract_python_code(str(self.engine.ask(prompt, max_tokens=self.max_tokens)))
         if code is None:
             return {"code": "", "stdout": "", "error": "the model's reply contained no ```python code block"}
-        result = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                            max_output_chars=self.max_output_chars)
+        result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars)
         return {"code": code, "stdout": result["stdout"], "error": result["error"]}
 
 
-# -----------------------------------------------------------------------------
-# Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
-# -----------------------------------------------------------------------------
+# --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
 
 class WikipediaInput(_ToolInput):
     query: str = Field(min_length=1, description="What to look up, e.g. an entity plus the fact wanted")
 
 
 def _fetch_wikipedia_page(title: str) -> dict:
-    """Runs in a worker thread: page info (1 request) + plain-text content (1 request)."""
-    # auto_suggest=False: the title is an exact search result already; auto-suggest
-    # would spend another request on a new search and may load a different page.
-    page = wikipedia.page(title, auto_suggest=False)
-    return {"title": page.title, "url": page.url, "content": page.content}
-
-
-def _wikipedia_error(title: str, e: BaseException) -> str:
-    """Readable per-page error; disambiguation pages list what they could mean."""
-    if isinstance(e, wikipedia.exceptions.DisambiguationError):
-        options = ", ".join(e.options[:10]) or "(none listed)"
-        return f"'{title}' is a disambiguation page; it may refer to: {options}"
-    if isinstance(e, wikipedia.exceptions.PageError):
-        return f"no Wikipedia page titled '{title}'"
-    return _short_error(e)
+    """{"title", "url", "content"} (two requests: run it in a worker thread), or {"title", "error"}. auto_suggest=False:
+    the title is an exact search hit; auto-suggest would search again and may load a different page."""
+    try:
+        page = wikipedia.page(title, auto_suggest=False)
+        return {"title": page.title, "url": page.url, "content": page.content}
+    except wikipedia.exceptions.DisambiguationError as e:
+        return {"title": title, "error": f"'{title}' is a disambiguation page; it may refer to: "
+                                         f"{', '.join(e.options[:10]) or '(none listed)'}"}
+    except wikipedia.exceptions.PageError:
+        return {"title": title, "error": f"no Wikipedia page titled '{title}'"}
 
 
 class WikipediaTool(Tool):
     name = "Wikipedia_RAG_Search_Tool"
-    description = ("Searches English Wikipedia, reads up to 3 relevant pages and returns, for each, "
-                   "a summary written only from the page's most relevant passages, with its URL.")
+    description = ("Searches English Wikipedia, reads up to 3 relevant pages and returns, for each, a summary "
+                   "written only from the page's most relevant passages, with its URL.")
     input_model = WikipediaInput
-    limitations = ("English Wikipedia only; reads a few passages per page, so facts deep in long "
-                   "articles can be missed; no very recent events.")
-    tips = ("Query with the entity name and the fact wanted (e.g. 'Marie Curie Nobel Prize years'). "
-            "If a result is a disambiguation page, retry with one of the listed titles.")
+    limitations = ("English Wikipedia only; reads a few passages per page, so facts deep in long articles can be "
+                   "missed; no very recent events.")
+    tips = ("Query with the entity name and the fact wanted (e.g. 'Marie Curie Nobel Prize years'). If a result "
+            "is a disambiguation page, retry with one of the listed titles.")
 
-    def __init__(self, engine: Engine, timeout_s: float = 10.0, max_pages: int = 3, top_k: int = 4,
-                 chunk_size: int = 120, chunk_overlap: int = 20, max_results: int = 10):
-        super().__init__(engine)
-        self.timeout_s, self.max_pages, self.top_k = timeout_s, max_pages, top_k
-        self.chunk_size, self.chunk_overlap, self.max_results = chunk_size, chunk_overlap, max_results
+    def __init__(self, engine: Engine, *, max_pages: int = 3, top_k: int = 4, chunk_size: int = 120,
+                 chunk_overlap: int = 20, max_results: int = 10, **options: Any):
+        super().__init__(engine, **options)
+        self.max_pages, self.top_k, self.chunk_size, self.chunk_overlap = max_pages, top_k, chunk_size, chunk_overlap
+        self.max_results = max_results  # search hits offered to the engine
 
     def _select_titles(self, query: str, candidates: list[str]) -> list[str]:
-        """Ask the engine which candidates to read; keep only exact candidate titles.
-        Falls back to the top search hit so a parse failure still yields a page."""
+        """The candidates the engine picks (invented titles dropped), else the top search hit."""
         listing = "\n".join(f"- {t}" for t in candidates)
         prompt = (f"You choose which Wikipedia pages to read to answer a query.\n\nQuery: {query}\n\n"
                   f"Candidate page titles:\n{listing}\n\n"
                   f"Reply with JSON only, like {{\"titles\": [\"...\"]}}, listing at most {self.max_pages} "
                   "titles copied exactly from the candidates, most useful first.")
-        try:
-            selection = self.engine.ask(prompt, schema=TitleSelection)
-        except Exception:  # an engine hiccup must not lose the search results
-            selection = None
-        chosen: list[str] = []
-        for title in (selection.titles if selection is not None else []):
-            if title in candidates and title not in chosen:  # invented titles are dropped
-                chosen.append(title)
+        selection = self.engine.ask(prompt, schema=TitleSelection)  # None if the reply did not parse
+        chosen = [t for t in dict.fromkeys(selection.titles if selection is not None else []) if t in candidates]
         return chosen[:self.max_pages] or candidates[:1]
-
-    def _summary_prompt(self, query: str, title: str, passages: list[str]) -> str:
-        return (f"Answer the query using ONLY the passages below from the Wikipedia page '{title}'. "
-                "Keep exact names, numbers and dates. If the passages do not answer the query, say so "
-                "and summarise what relevant information they do contain.\n\n"
-                f"Query: {query}\n\nPassages:\n{_numbered_passages(passages)}\n\nAnswer:")
 
     def run(self, args: WikipediaInput) -> dict:
         query = args.query
-        # wikipedia.search memoises every query forever in a plain dict
-        # (wikipedia.util.cache); over a long RL run that grows without bound.
-        if len(getattr(wikipedia.search, "_cache", ())) > 4096:
+        if len(getattr(wikipedia.search, "_cache", ())) > 4096:  # the package memoises every search forever
             wikipedia.search.clear_cache()
         try:
             candidates = call_with_timeout(self.timeout_s, wikipedia.search, query, results=self.max_results)
@@ -1334,52 +1218,33 @@ class WikipediaTool(Tool):
             return {"query": query, "error": f"Wikipedia search failed: {_short_error(e)}"}
         if not candidates:
             return {"query": query, "error": f"no Wikipedia pages found for '{query}'"}
-
         titles = self._select_titles(query, candidates)
-        # Fetch all chosen pages in parallel under ONE shared deadline, so the
-        # worst case is ~2 x timeout_s (search + pages), not 4 x.
+        # the pages are fetched in parallel under ONE deadline: at worst ~2 x timeout_s (search, then pages)
         futures = [submit_in_daemon_thread(_fetch_wikipedia_page, t) for t in titles]
         deadline = time.monotonic() + self.timeout_s
-        pages: list[dict] = []
-        prompts: list[str] = []
+        pages, prompts = [], []
         for title, future in zip(titles, futures):
             try:
                 page = wait_result(future, deadline - time.monotonic())
-            except Exception as e:
-                pages.append({"title": title, "error": _wikipedia_error(title, e)})
-                continue
-            chunks = chunk_words(page["content"], self.chunk_size, self.chunk_overlap)
-            if not chunks:
-                pages.append({"title": page["title"], "error": "the page has no text"})
-                continue
-            passages = [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)]
-            pages.append({"title": page["title"], "url": page["url"], "summary": None})
-            prompts.append(self._summary_prompt(query, page["title"], passages))
-
-        # One batched engine call for all summaries (the Engine API is batch-first).
-        try:
-            summaries = self.engine.generate(prompts) if prompts else []
-            failure = "the model returned no summary"
-        except Exception as e:
-            summaries, failure = [], f"summarising failed: {_short_error(e)}"
-        summaries = list(summaries) + [None] * (len(prompts) - len(summaries))
-        waiting = [p for p in pages if "summary" in p]  # same order as prompts
-        for page, summary in zip(waiting, summaries):
-            if isinstance(summary, str):
-                page["summary"] = summary
-            else:  # keep the {"title", "error"} shape for every failure
-                del page["url"], page["summary"]
-                page["error"] = failure
+            except Exception as e:  # a timeout or a network failure
+                page = {"title": title, "error": _short_error(e)}
+            pages.append(page)
+            if "content" in page:
+                chunks = chunk_words(page.pop("content"), self.chunk_size, self.chunk_overlap)
+                prompts.append(_grounded_prompt(query, f"the Wikipedia page '{page['title']}'",
+                                                [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)],
+                                                "say so and summarise what relevant information they do contain"))
+        # one batched engine call writes the summaries of all pages that were read (those with a url)
+        summaries = self.engine.generate(prompts, max_tokens=self.max_tokens) if prompts else []
+        for page, summary in zip([p for p in pages if "url" in p], summaries):
+            page["summary"] = summary
         return {"query": query, "pages": pages}
 
 
-# -----------------------------------------------------------------------------
-# Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
-# -----------------------------------------------------------------------------
-# Security note: a tool that fetches model-chosen URLs can reach whatever the
-# host can (localhost services, cloud metadata at 169.254.169.254). We allow
-# only http(s) here; a production deployment should additionally resolve the
-# host and refuse private/loopback addresses (the tests below rely on loopback).
+# --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
+# A tool that fetches model-chosen URLs reaches whatever the host can (localhost services, cloud metadata at
+# 169.254.169.254). Only http(s) is allowed here; a production deployment should also resolve the host and refuse
+# private and loopback addresses (the tests' stand-in servers listen on loopback).
 
 class WebRAGInput(_ToolInput):
     query: str = Field(min_length=1, description="The question to answer from the page")
@@ -1387,44 +1252,26 @@ class WebRAGInput(_ToolInput):
 
 
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
-_TEXT_TYPES = ("text/", "application/json", "application/xml")
 
 
-def check_web_url(url: str) -> str | None:
-    """None if the URL may be fetched, else the reason it may not.
-
-    >>> check_web_url("file:///etc/passwd")
-    "only http and https URLs can be fetched, got scheme 'file'"
-    """
+def check_web_url(url: str) -> Optional[str]:
+    """None if the URL may be fetched (http or https, with a host), else the reason it may not."""
     parts = urllib.parse.urlsplit(url.strip())
     if parts.scheme.lower() not in ("http", "https"):
         return f"only http and https URLs can be fetched, got scheme '{parts.scheme}'"
-    if not parts.hostname:
-        return f"URL has no host: '{url}'"
-    return None
-
-
-def _charset(content_type: str) -> str:
-    """Charset named in a Content-Type header, else utf-8. (requests' own guess is
-    ISO-8859-1 for any text/* without a charset, per an old RFC.)"""
-    match = re.search(r"charset=[\"']?([\w.:-]+)", content_type, re.IGNORECASE)
-    return match.group(1) if match else "utf-8"
+    return None if parts.hostname else f"URL has no host: '{url}'"
 
 
 def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
-    """GET url, reading at most max_bytes of body: returns (body, content type).
-
-    stream=True means the body is NOT downloaded up front; we pull 64 KB at a
-    time and stop at max_bytes, so a 10 GB file costs us 2 MB. requests'
-    timeout limits each connect/read, not the whole download, so we also stop
-    at a deadline; callers add a wall-clock limit with call_with_timeout.
-    """
+    """GET url, reading at most max_bytes of body: (body, content type). stream=True downloads nothing up front;
+    we pull 64 KB at a time and stop at max_bytes, so a 10 GB file costs 2 MB. requests' timeout bounds each
+    connect and read, not the download, so we also stop at a deadline (callers add call_with_timeout)."""
     deadline = time.monotonic() + timeout_s
     headers = {"User-Agent": "flow-grpo-web-rag/0.1 (research)"}
     with requests.get(url, timeout=timeout_s, stream=True, headers=headers) as response:
         response.raise_for_status()  # 404/500 -> requests.HTTPError with the status in its message
         content_type = response.headers.get("Content-Type", "text/html").lower()
-        if not content_type.startswith(_HTML_TYPES + _TEXT_TYPES):
+        if not content_type.startswith(_HTML_TYPES + ("text/", "application/json", "application/xml")):
             raise ValueError(f"unsupported content type '{content_type}' (only HTML and text pages)")
         body = bytearray()
         for piece in response.iter_content(chunk_size=64 * 1024):
@@ -1437,105 +1284,76 @@ def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, st
 
 
 def page_text(body: bytes, content_type: str) -> str:
-    """Visible text of an HTML page (scripts/styles removed) or the decoded text body.
-
-    >>> page_text(b"<p>Hi</p><script>x()</script>", "text/html")
-    'Hi'
-    """
+    """Visible text of an HTML page, or the decoded text body; whitespace collapsed to single spaces."""
     if content_type.startswith(_HTML_TYPES):
-        # Passing bytes lets BeautifulSoup use the page's <meta charset>.
-        soup = BeautifulSoup(body, "html.parser")
-        # Recent bs4 versions already leave <script>/<style>/<template> out of
-        # get_text(), but not <noscript> ("please enable JavaScript"), and older
-        # versions or other parsers keep them all: remove them explicitly.
+        soup = BeautifulSoup(body, "html.parser")  # bytes, so that the page's <meta charset> is honoured
+        # recent bs4 leaves <script>/<style>/<template> out of get_text() but not <noscript>; older bs4 keeps all
         for tag in soup(["script", "style", "noscript", "template"]):
             tag.decompose()
         text = soup.get_text(separator=" ")
-    else:
+    else:  # the header's charset, else UTF-8 (requests would guess ISO-8859-1 for a text/* without one)
+        charset = re.search(r"charset=[\"']?([\w.:-]+)", content_type, re.IGNORECASE)
         try:
-            text = body.decode(_charset(content_type), errors="replace")
-        except LookupError:  # unknown charset name in the header
+            text = body.decode(charset.group(1) if charset else "utf-8", errors="replace")
+        except LookupError:  # a charset name Python does not know
             text = body.decode("utf-8", errors="replace")
     return " ".join(text.split())
 
 
 class WebRAGTool(Tool):
     name = "Web_RAG_Search_Tool"
-    description = ("Reads the web page at a given URL and answers a question using only the page's "
-                   "most relevant passages.")
+    description = ("Reads the web page at a given URL and answers a question using only the page's most relevant "
+                   "passages.")
     input_model = WebRAGInput
-    limitations = ("Needs an exact http(s) URL; reads only the first ~2 MB of HTML or plain text; "
-                   "no JavaScript-rendered content, PDFs or images.")
-    tips = ("Use when the task gives a URL or you know the exact page; ask one specific question "
-            "about that page.")
+    limitations = ("Needs an exact http(s) URL; reads only the first ~2 MB of HTML or plain text; no "
+                   "JavaScript-rendered content, PDFs or images.")
+    tips = "Use when the task gives a URL or you know the exact page; ask one specific question about that page."
 
-    def __init__(self, engine: Engine, timeout_s: float = 10.0, max_bytes: int = 2_000_000,
-                 top_k: int = 4, chunk_size: int = 150, chunk_overlap: int = 20,
-                 embed_client: Any = None, embed_model: str | None = None):
-        super().__init__(engine)
-        self.timeout_s, self.max_bytes, self.top_k = timeout_s, max_bytes, top_k
-        self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
-        self.embed_client, self.embed_model = embed_client, embed_model
+    def __init__(self, engine: Engine, *, max_bytes: int = 2_000_000, top_k: int = 4, chunk_size: int = 150,
+                 chunk_overlap: int = 20, embed_client: Any = None, embed_model: Optional[str] = None,
+                 **options: Any):
+        super().__init__(engine, **options)
+        self.max_bytes, self.top_k, self.chunk_size, self.chunk_overlap = max_bytes, top_k, chunk_size, chunk_overlap
+        self.embed_client, self.embed_model = embed_client, embed_model  # optional dense retrieval
 
     def rank(self, query: str, chunks: list[str]) -> list[int]:
-        """Embeddings if configured, else BM25. An embeddings outage falls back to
-        BM25: an infrastructure failure should not be charged to the planner."""
+        """Embeddings if configured, else BM25. An embeddings outage falls back to BM25: an infrastructure
+        failure should not be charged to the planner."""
         if self.embed_client is not None and self.embed_model:
-            try:
+            with contextlib.suppress(Exception):
                 return embedding_top_k(query, chunks, self.top_k, self.embed_client, self.embed_model)
-            except Exception:
-                pass
         return bm25_top_k(query, chunks, self.top_k)
 
-    def run(self, args: WebRAGInput) -> str | dict:
-        problem = check_web_url(args.url)
-        if problem:
+    def run(self, args: WebRAGInput) -> Any:  # the answer text, or {"error": ...}
+        if problem := check_web_url(args.url):
             return {"error": problem}
         try:
-            body, content_type = call_with_timeout(self.timeout_s, fetch_limited, args.url.strip(),
-                                                   self.timeout_s, self.max_bytes)
+            body, content_type = call_with_timeout(self.timeout_s, fetch_limited, args.url.strip(), self.timeout_s,
+                                                   self.max_bytes)
         except Exception as e:
             return {"error": f"could not fetch {args.url}: {_short_error(e)}"}
         chunks = chunk_words(page_text(body, content_type), self.chunk_size, self.chunk_overlap)
         if not chunks:
             return {"error": f"no readable text at {args.url}"}
         passages = [chunks[i] for i in self.rank(args.query, chunks)]
-        prompt = (f"Answer the query using ONLY the passages below from the web page {args.url}. "
-                  "Keep exact names, numbers and dates. If the passages do not answer the query, say so.\n\n"
-                  f"Query: {args.query}\n\nPassages:\n{_numbered_passages(passages)}\n\nAnswer:")
-        try:
-            return str(self.engine.ask(prompt))
-        except Exception as e:
-            return {"error": f"summarising failed: {_short_error(e)}"}
+        return str(self.engine.ask(_grounded_prompt(args.query, f"the web page {args.url}", passages),
+                                   max_tokens=self.max_tokens))
 
 
-# -----------------------------------------------------------------------------
-# Registry
-# -----------------------------------------------------------------------------
-# Google search is intentionally absent: the original system's Google tool needs
-# a proprietary SDK and API key. Wikipedia + Web RAG cover open-web lookups.
+# --- Registry (no Google search tool: the original system's needs a proprietary SDK and an API key)
 
-TOOL_CLASSES: dict[str, type[Tool]] = {
-    cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)
-}
+TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
 
-def make_tools(names: list[str], engine: Engine, **options: Any) -> dict[str, Tool]:
-    """Instantiate tools by name. Each option goes to every tool whose constructor
-    accepts it, so make_tools(names, engine, timeout_s=5) sets all timeouts.
-
-    >>> sorted(make_tools(["Python_Coder_Tool"], Engine()))
-    ['Python_Coder_Tool']
-    """
+def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
+               embed_client: Any = None, embed_model: Optional[str] = None) -> dict[str, Tool]:
+    """Instantiate tools by name, each with the options every tool takes; the embeddings client only matters to the
+    web tool. A misspelled option is a TypeError, as in any Python call."""
     unknown = [n for n in names if n not in TOOL_CLASSES]
     if unknown:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
-    accepted = {n: set(inspect.signature(cls.__init__).parameters) for n, cls in TOOL_CLASSES.items()}
-    unused = [opt for opt in options if not any(opt in params for params in accepted.values())]
-    if unused:  # a typo like `timout_s=5` would otherwise be ignored silently
-        raise ValueError(f"option(s) {unused} are not accepted by any tool")
-    return {n: TOOL_CLASSES[n](engine, **{k: v for k, v in options.items() if k in accepted[n]})
-            for n in names}
+    web = {WebRAGTool.name: {"embed_client": embed_client, "embed_model": embed_model}}
+    return {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **web.get(n, {})) for n in names}
 
 
 # =====================================================================================================

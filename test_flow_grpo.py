@@ -856,6 +856,8 @@ def test_bm25_ranks_relevant_chunk_first():
     assert bm25_top_k("loyal dogs", chunks, k=1) == [3]
     assert bm25_top_k("zebra", chunks, k=3) == [0, 1, 2]  # no match: ties by index
     assert bm25_top_k("cat", [], k=3) == []
+    assert fg.tokenize("Marie Curie's 2 Nobel-Prizes, Ölüdeniz") == ["marie", "curie", "s", "2", "nobel", "prizes",
+                                                                    "ölüdeniz"]
 
 
 # ----------------------------------------------------------------------------- Tool base / registry
@@ -884,8 +886,10 @@ def test_make_tools():
     assert tools["Python_Coder_Tool"].timeout_s == 3 and tools["Wikipedia_RAG_Search_Tool"].timeout_s == 3
     with pytest.raises(ValueError, match="Google_Search_Tool.*Python_Coder_Tool"):
         make_tools(["Google_Search_Tool"], echo_engine())
-    with pytest.raises(ValueError, match="timout_s"):
+    with pytest.raises(TypeError, match="timout_s"):  # a misspelled option is an error, not silently ignored
         make_tools(["Python_Coder_Tool"], echo_engine(), timout_s=3)
+    web = make_tools(["Web_RAG_Search_Tool"], echo_engine(), max_tokens=7, embed_model="m")["Web_RAG_Search_Tool"]
+    assert web.max_tokens == 7 and web.embed_model == "m" and web.timeout_s == 10.0
     assert set(TOOL_CLASSES) == {"Generalist_Solution_Generator_Tool", "Python_Coder_Tool",
                                  "Wikipedia_RAG_Search_Tool", "Web_RAG_Search_Tool"}
 
