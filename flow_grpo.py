@@ -2393,9 +2393,9 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
-    sampler's log-probs; 'recompute' = the update's own code, so the first ratio is 1 up to float noise. With ONE
-    pass (ppo_epochs == num_minibatches == 1) every forward of the update runs before the optimizer step, so it IS
-    pi_old: old_logp stays None (a forward pass saved). pi_ref (adapter off) is needed only for a KL term."""
+    sampler's log-probs; 'recompute' = the update's own code (the first ratio is 1 up to float noise), and with ONE
+    pass (ppo_epochs == num_minibatches == 1) the update's forward IS pi_old: old_logp stays None, a pass saved.
+    pi_ref (adapter off) is needed only for a KL term."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if cfg.old_logprobs == "captured":
         for r in rows:
@@ -2723,8 +2723,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
     """Train the tiny model on a single-turn toy task - answer with digits, reward = the share of digits in the action -
     and return the mean reward per step. Sampling, advantages, loss and update are the trainer's own functions, so a
     rising curve means the whole update path has the right sign and scale: the learning test and the README's curve.
-    (At lr 5e-2 a seed that reached 1.00 could fall back: once all advantages are 0, the tiny KL gradient alone is
-    scaled up to full-size Adam steps.)"""
+    lr 2e-2: at 5e-2 a seed at 1.00 could fall back (all advantages 0: Adam scales up the tiny KL gradient)."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
