@@ -1942,15 +1942,12 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 
 
 def pick_device(cfg: Config) -> str:
-    if cfg.device != "auto":
-        return cfg.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def dequantise_gguf(path: Path, folder: Path) -> None:
     """GGUF file -> an ordinary fp32 checkpoint folder, once (~20 s; loading that folder takes ~1 s).
-    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config
-    minus quantization_config. Written aside, then renamed: a crash never leaves half a folder."""
+    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"[model] dequantising {path.name} once into {folder}")
@@ -1961,10 +1958,10 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent))
-    for part in (model, tokenizer):
-        part.save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
     try:
-        tmp.rename(folder)
+        tmp.rename(folder)  # written aside, then renamed: a crash never leaves half a folder
     except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -2017,9 +2014,7 @@ def load_base(cfg: Config, device: str):
                          f"(for an offline run use --preset smoke)")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if not cfg.load_in_4bit:
-        model = model.to(device)
-    return model, tokenizer
+    return (model if cfg.load_in_4bit else model.to(device)), tokenizer
 
 
 def load_policy(cfg: Config, device: str, *, trainable: bool):
@@ -2032,7 +2027,8 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.adapter:
         if not (Path(cfg.adapter) / "adapter_config.json").exists():
-            raise SystemExit(f"error: --adapter {cfg.adapter}: no adapter_config.json there (use a checkpoint-<step> folder)")
+            raise SystemExit(f"error: --adapter {cfg.adapter}: no adapter_config.json there "
+                             f"(use a checkpoint-<step> folder)")
         model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=trainable)
     elif trainable:
         model = get_peft_model(model, LoraConfig(
@@ -2055,37 +2051,34 @@ def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     return engine
 
 
-def make_fixed_engine(cfg: Config, model, tokenizer) -> Engine:
-    """The frozen roles: a remote OpenAI-compatible server when --fixed-base-url is set, else the policy's
-    own base weights with the adapter off (no server, no second copy of the model)."""
-    engine = checked(OpenAIEngine(cfg.fixed_base_url, cfg.fixed_model or cfg.model, api_key_env=cfg.api_key_env,
-                                  timeout_s=cfg.request_timeout_s, phase_timeout_s=cfg.phase_timeout_s,
-                                  max_tokens=cfg.fixed_max_tokens), "--fixed-base-url") if cfg.fixed_base_url \
-        else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
-    engine.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
-    return engine
+def remote_engine(cfg: Config, flag: str, url: str, model: str, max_tokens: int) -> OpenAIEngine:
+    return checked(OpenAIEngine(url, model, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
+                                phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
 
 
 def make_judge(cfg: Config, fixed: Engine) -> Optional[Engine]:
     if cfg.judge == "rule":
         return None
-    if cfg.judge_base_url:
-        return checked(OpenAIEngine(cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, api_key_env=cfg.api_key_env,
-                                    timeout_s=cfg.request_timeout_s, phase_timeout_s=cfg.phase_timeout_s,
-                                    max_tokens=256), "--judge-base-url")
-    return fixed
+    return remote_engine(cfg, "--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256) \
+        if cfg.judge_base_url else fixed
 
 
 def build_system(cfg: Config, device: str, *, trainable: bool):
-    """Everything a rollout needs: the policy and its tokenizer, the fixed-role engine and the tools."""
+    """Everything a rollout needs: the policy and its tokenizer, the frozen roles' engine and the tools. The frozen
+    roles run on a remote OpenAI-compatible server when --fixed-base-url is set, else on the policy's own base
+    weights with the adapter off (no server, no second copy of the model)."""
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
-    fixed = make_fixed_engine(cfg, model, tokenizer)
+    fixed = remote_engine(cfg, "--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model,
+                          cfg.fixed_max_tokens) if cfg.fixed_base_url \
+        else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
+    fixed.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
     options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
     if cfg.embed_base_url:  # optional dense retrieval for the web tool; BM25 otherwise
         from openai import OpenAI
 
-        options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, api_key=os.environ.get(cfg.api_key_env) or "EMPTY",
-                                           timeout=cfg.request_timeout_s), embed_model=cfg.embed_model or "text-embedding-3-small")
+        options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
+                                           api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
+                       embed_model=cfg.embed_model or "text-embedding-3-small")
     return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, **options)
 
 
@@ -2159,128 +2152,116 @@ class Row:
     """One planner turn, ready for the update: trained with its OWN prompt (the state s_t at that turn)."""
     prompt_ids: torch.Tensor  # [P]
     action_ids: torch.Tensor  # [A]
-    behaviour_logp: torch.Tensor  # [A] captured while sampling
-    advantage: float  # A_i of the trajectory, broadcast to each of its turns
-    traj_id: int
-    group_id: int
-    old_logp: Optional[torch.Tensor] = None  # [A] pi_old (captured or recomputed)
-    ref_logp: Optional[torch.Tensor] = None  # [A] base model (adapter off)
+    logprobs: torch.Tensor  # [A] behaviour log-probs, captured while sampling (Sample.logprobs)
+    advantage: float  # the trajectory's A_i, broadcast to each of its turns
+    traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
+    old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
+    ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
 
 
-def build_rows(states: list[AgentState], advantages: torch.Tensor, group_size: int) -> list[Row]:
-    """Flatten trajectories into turn-rows. Every turn gets its trajectory's advantage (Flow-GRPO's
-    broadcast). Groups whose advantage is 0 still contribute their KL term."""
-    samples: list[tuple[int, Sample]] = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
-    return [Row(s.prompt_ids, s.action_ids, s.logprobs, float(advantages[i]), i, i // group_size) for i, s in samples]
+def build_rows(states: list[AgentState], advantages: torch.Tensor) -> list[Row]:
+    """Flatten trajectories into turn-rows; every turn gets its trajectory's advantage (Flow-GRPO's broadcast).
+    Groups whose advantage is 0 still contribute their KL term."""
+    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
+    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(advantages[i]),
+                traj_id=i) for i, s in turns]
 
 
-def set_turn_advantages(rows: list[Row], rewards: list[float], scale: str) -> None:
-    """--adv-unit turn (AgentFlow's verl code): each turn-row is a sample of its question's group with its trajectory's
-    reward, so long trajectories weigh more in the mean and std (the paper: over the G trajectories, broadcast)."""
-    adv_R = group_advantages([rewards[r.traj_id] for r in rows], [r.group_id for r in rows], scale)
-    for r, a in zip(rows, adv_R.tolist()):
+def set_turn_advantages(rows: list[Row], rewards: list[float], group_ids: list, scale: str) -> None:
+    """--adv-unit turn (AgentFlow's verl code): each turn-row is a sample of its trajectory's group with its
+    trajectory's reward, so long trajectories weigh more in the mean and std (the paper: over the G trajectories)."""
+    adv_B = group_advantages([rewards[r.traj_id] for r in rows], [group_ids[r.traj_id] for r in rows], scale)
+    for r, a in zip(rows, adv_B.tolist()):
         r.advantage = a
 
 
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """list of 1-D tensors -> ([B, T] right-padded, [B, T] bool mask built from the lengths)."""
-    T = max(len(t) for t in tensors)
-    out = tensors[0].new_full((len(tensors), T), value)
-    mask = torch.zeros(len(tensors), T, dtype=torch.bool, device=out.device)
-    for b, t in enumerate(tensors):
-        out[b, :len(t)], mask[b, :len(t)] = t, True
-    return out, mask
+    """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
+    out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+    len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
+    return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
 
 
 @torch.no_grad()
 def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
                   base: bool = False) -> None:
-    """No-grad log-probs for every row, stored in row.<attr>: pi_old (adapter on) or pi_ref (adapter off)."""
+    """No-grad log-probs of every row's actions, stored in row.<attr>: pi_old (adapter on) or pi_ref (base=True)."""
     with adapter_disabled(model) if base else contextlib.nullcontext():
         for i in range(0, len(rows), micro_batch_size):
             chunk = rows[i:i + micro_batch_size]
-            lps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
-                                  temperature=temperature)
-            for r, lp in zip(chunk, lps):
-                setattr(r, attr, lp.detach().cpu())
+            logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
+                                    temperature=temperature)
+            for r, logp_A in zip(chunk, logps):
+                setattr(r, attr, logp_A.cpu())
 
 
 def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
     """Accumulate the gradient of ONE minibatch over micro-batches, exactly: the aggregation weights are computed
-    for the whole minibatch and sliced per micro-batch, so micro losses and gradients add up to the big batch's.
-    (The original article zeroed the gradients every batch but stepped every k batches: k-1 of every k
-    gradients were silently dropped.) Returns (loss, stats), or (None, {}) when the loss was not finite."""
-    _, mask_all = pad_right([r.action_ids for r in rows])
-    weights_all = aggregation_weights(mask_all, cfg.agg, [r.traj_id for r in rows])
-    total, sums = 0.0, Counter()
+    for the whole minibatch and sliced per micro-batch, so the micro losses and gradients add up to the big batch's.
+    Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
+    all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
+    total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
     for i in range(0, len(rows), cfg.micro_batch_size):
         chunk = rows[i:i + cfg.micro_batch_size]
-        logp = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
-                               temperature=cfg.temperature)
-        logp_BT, mask_BT = pad_right(logp)
-        dev = logp_BT.device
-        # None means "this forward is pi_old / no KL term" (see train_step): detached copies give ratio 1, KL 0
-        old_BT = pad_right([r.old_logp.to(dev) for r in chunk])[0] if chunk[0].old_logp is not None else logp_BT.detach()
-        ref_BT = pad_right([r.ref_logp.to(dev) for r in chunk])[0] if chunk[0].ref_logp is not None else logp_BT.detach()
+        logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
+                                                     [r.action_ids for r in chunk], temperature=cfg.temperature))
+        dev = logp_BA.device
+        # None (see fill_old_and_ref): this forward IS pi_old / no KL term - detached copies give ratio 1, KL 0
+        old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
+        ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
         adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
-        w_BT = weights_all[i:i + len(chunk), :mask_BT.shape[1]].to(dev)
-        loss, st = grpo_loss(logp_BT, old_BT, ref_BT, adv_B, mask_BT, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                             clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BT)
+        w_BA = all_weights_BA[i:i + len(chunk), :mask_BA.shape[1]].to(dev)
+        loss, st = grpo_loss(logp_BA, old_BA, ref_BA, adv_B, mask_BA, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                             clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BA)
         if not torch.isfinite(loss):
             return None, {}
         loss.backward()
         total += loss.item()
-        for k in ("clip_frac", "kl", "ratio_mean"):  # token-weighted averages over the minibatch
-            sums[k] += st[k] * st["tokens"]
-        sums["tokens"] += st["tokens"]
-    return total, {k: sums[k] / max(1, sums["tokens"]) for k in ("clip_frac", "kl", "ratio_mean")}
+        sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
+    return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
 
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
-    sampler's log-probs; 'recompute' = the update's own code, so the first ratio is 1 up to float noise. With ONE
-    pass (ppo_epochs == num_minibatches == 1) every forward of the update runs before the optimizer step, so it
-    IS pi_old: old_logp stays None and the update detaches its own log-probs (a forward pass saved). Otherwise a
-    no-grad pass runs first. pi_ref (adapter off) is needed only for a KL term."""
+    sampler's log-probs; 'recompute' = the update's own code (the first ratio is 1 up to float noise), and with ONE
+    pass (ppo_epochs == num_minibatches == 1) the update's forward IS pi_old: old_logp stays None, a pass saved.
+    pi_ref (adapter off) is needed only for a KL term."""
+    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if cfg.old_logprobs == "captured":
         for r in rows:
-            r.old_logp = r.behaviour_logp
+            r.old_logp = r.logprobs
     elif cfg.ppo_epochs > 1 or cfg.num_minibatches > 1:
-        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size, attr="old_logp")
+        fill_logprobs(model, rows, attr="old_logp", **kw)
     if cfg.kl_coef > 0:
-        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
-                      attr="ref_logp", base=True)
+        fill_logprobs(model, rows, attr="ref_logp", base=True, **kw)
 
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
-    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step."""
+    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch whose
+    loss or gradient norm is not finite is skipped: one NaN must never poison the adapter."""
     params = [p for p in model.parameters() if p.requires_grad]
     trajs = sorted({r.traj_id for r in rows})
-    stats, losses, skipped, norms = Counter(), [], 0, []
+    n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
+    sums, losses, norms, skipped = Counter(), [], [], 0
     model.train()
     for epoch in range(cfg.ppo_epochs):
         random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)  # own RNG: resumable, no global state
-        n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
         for k in range(n_mb):
             chosen = set(trajs[k::n_mb])
-            mb = [r for r in rows if r.traj_id in chosen]
             optimizer.zero_grad(set_to_none=True)
-            loss, st = minibatch_loss_and_backward(model, mb, cfg)
+            loss, st = minibatch_loss_and_backward(model, [r for r in rows if r.traj_id in chosen], cfg)
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
-            if loss is None or not torch.isfinite(norm):  # skip: never let one NaN poison the adapter
+            if norm is None or not torch.isfinite(norm):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
             optimizer.step()
             losses.append(loss)
             norms.append(norm.item())
-            for key, v in st.items():
-                stats[key] += v
+            sums.update(st)
     done = max(1, len(losses))
-    out = {key: stats[key] / done for key in ("clip_frac", "kl", "ratio_mean")}
-    out.update(loss=sum(losses) / done if losses else float("nan"), grad_norm=sum(norms) / done if norms else 0.0,
-               skipped_updates=skipped)
-    return out
+    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean")}, "skipped_updates": skipped,
+            "loss": sum(losses) / done if losses else float("nan"), "grad_norm": sum(norms) / done}
 
 
 def make_optimizer(model, cfg: Config):
@@ -2297,25 +2278,14 @@ def make_optimizer(model, cfg: Config):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, rng: dict,
-                    cfg: Config) -> Path:
-    """checkpoint-<step>/: the adapter in standard peft format (adapter_config.json +
-    adapter_model.safetensors, loadable by vLLM --enable-lora) plus everything needed to resume exactly.
-    Written to a temporary folder and renamed, so a crash mid-save never leaves a half checkpoint."""
+def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, cfg: Config) -> Path:
+    """checkpoint-<step>/: the adapter in standard peft format (adapter_config.json + adapter_model.safetensors,
+    loadable by vLLM --enable-lora) plus all a resumed run needs to go on exactly as this one would (the RNG states
+    are those step+1 starts from). Written aside and renamed: a crash mid-save never leaves half a checkpoint."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     model.save_pretrained(tmp)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "data": dataclasses.asdict(data), "rng": rng}, tmp / "trainer_state.pt")
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -2351,8 +2321,11 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    data.epoch, data.pos = state["data"]["epoch"], state["data"]["pos"]
-    set_rng_state(state["rng"])
+    data.epoch, data.pos, rng = state["data"]["epoch"], state["data"]["pos"], state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     log(f"resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
@@ -2365,8 +2338,13 @@ RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "o
 
 
 def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
-    """The checkpoint to start from (None: step 0). Never mixes two runs in one folder; refuses flags that would
-    change the run (a new --lr: the restored optimizer keeps the old one, while config.json would say new)."""
+    """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
+    Never mixes two runs in one folder; refuses flags that would change the run (a new --lr: the restored optimizer
+    keeps the old one, while config.json would say new)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, a read-only disk
+        raise SystemExit(f"error: cannot create the folder --output-dir {out_dir}: {e.strerror}")
     if not cfg.resume:
         if any(out_dir.glob("checkpoint-[0-9]*")):
             raise SystemExit(f"error: {out_dir} already holds checkpoints; add --resume to continue that run, "
@@ -2385,23 +2363,22 @@ def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:
-    """On resume, drop log lines of steps after the checkpoint (they will be produced again), and a last
-    line torn by a crash mid-write."""
-    def step_of(line: str) -> float:
-        try:
-            return json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            return math.inf
-
-    if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if step_of(ln) <= max_step]
-        path.write_text("".join(ln + "\n" for ln in keep))
+    """On resume, drop the log lines of steps after the checkpoint (they will be written again), and a last line
+    torn by a crash mid-write (it does not parse)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if json.loads(line)["step"] <= max_step:
+                keep.append(line + "\n")
+    path.write_text("".join(keep))
 
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
-    """For --eval's last line and the step metrics: planner turns and plans parsed; calls asked of the executor
-    (plans naming a real tool; tool:<name> per tool) and calls valid in the tool's own call schema; the frozen
-    roles' structured outputs (an analysis per question, a call per request, a verdict per turn), and parsed."""
+    """For --eval's last line and the step metrics: planner turns, plans parsed, calls asked of the executor (plans
+    naming a real tool; tool:<name> per tool), calls valid in their tool's schema, and the frozen roles' structured
+    outputs (an analysis per question, a call per request, a verdict per turn) and how many parsed."""
     c = Counter()
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
@@ -2418,7 +2395,8 @@ def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
     """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
     c = agent_counts(states, tools)
     return {"turns_per_traj": c["turns"] / max(1, c["questions"]), "plan_parse_rate": c["plans"] / max(1, c["turns"]),
-            "tool_call_valid": c["calls_valid"] / max(1, c["calls"]), "tool_error_rate": c["tool_errors"] / max(1, c["turns"]),
+            "tool_call_valid": c["calls_valid"] / max(1, c["calls"]),
+            "tool_error_rate": c["tool_errors"] / max(1, c["turns"]),
             "structured_valid": c["structured_valid"] / max(1, c["structured"]),
             "tool_share": {name: c[f"tool:{name}"] / max(1, c["calls"]) for name in tools}}
 
@@ -2432,51 +2410,42 @@ def engine_counts(*engines: Optional[Engine]) -> dict:
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
                tools: dict, cfg: Config, step: int) -> tuple[dict, list[AgentState], list[float]]:
     """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards."""
-    G = cfg.group_size
-    timings: dict[str, float] = {}
+    G, timings = cfg.group_size, {}
     t0, sent = time.perf_counter(), engine_counts(fixed, judge)
     states = rollout(model, tokenizer, [b["question"] for b in batch], group_size=G, fixed=fixed, tools=tools,
                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers, timings=timings)
-    truths = [b["answer"] for b in batch for _ in range(G)]
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
-                                       truths, judge)
+                                       [b["answer"] for b in batch for _ in range(G)], judge)
     group_ids = [i // G for i in range(len(states))]
-    rows = build_rows(states, group_advantages(rewards, group_ids, cfg.adv_scale), G)
+    rows = build_rows(states, group_advantages(rewards, group_ids, cfg.adv_scale))
     if cfg.adv_unit == "turn":
-        set_turn_advantages(rows, rewards, cfg.adv_scale)
-    rollout_s = time.perf_counter() - t0
-
+        set_turn_advantages(rows, rewards, group_ids, cfg.adv_scale)
     t1 = time.perf_counter()
     fill_old_and_ref(model, rows, cfg)
     lr = scheduler.get_last_lr()[0]  # the learning rate of this step's updates
     upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
-    update_s = time.perf_counter() - t1
-
-    gen_tokens = sum(len(r.action_ids) for r in rows)
     metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd,
                "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),
-               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr, "rollout_s": rollout_s, "update_s": update_s,
-               "planner_tokens_per_s": gen_tokens / max(1e-9, timings.get("planner", 0.0)),
+               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr, "rollout_s": t1 - t0,
+               "update_s": time.perf_counter() - t1,
+               "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
                **{k: n - sent[k] for k, n in engine_counts(fixed, judge).items()}}
     return metrics, states, rewards
 
 
 class GracefulInterrupt:
-    """First Ctrl-C: finish the current step, save a checkpoint, stop. Second Ctrl-C: stop at once.
-    (Stopping mid-update would save an adapter that is half a step ahead of its optimizer and RNG.)
-    "At once" is os._exit: no waiting for in-flight requests or tools, and no interpreter teardown (seconds of
-    garbage collection with torch loaded). Nothing saved is lost: the logs are flushed after every step and a
-    checkpoint appears only complete (save_checkpoint renames it into place)."""
+    """First Ctrl-C: finish the current step, save a checkpoint, stop (stopping mid-update would save an adapter
+    half a step ahead of its optimizer and RNG). Second Ctrl-C: os._exit at once - no waiting for requests or tools,
+    no interpreter teardown; nothing saved is lost (logs are flushed every step, checkpoints renamed into place)."""
 
     requested = False
 
     def __enter__(self):
-        self._old = signal.getsignal(signal.SIGINT)
         try:
-            signal.signal(signal.SIGINT, self._handler)
+            self._old = signal.signal(signal.SIGINT, self._handler)
         except ValueError:  # not the main thread (e.g. inside some test runners): keep default behaviour
             self._old = None
         return self
@@ -2505,7 +2474,7 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
     rng = random.Random(f"sft-{cfg.seed}")
     pool = [r["question"] for r in rng.sample(rows, min(len(rows), cfg.batch_size * cfg.group_size))]
     analyses = fixed.generate([analysis_prompt(q, tools) for q in pool], schema=QueryAnalysis)
-    texts = [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]  # solve_batch's
+    texts = [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]
     prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
                             add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t in zip(pool, texts)]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2530,57 +2499,48 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
 
 
 def train(cfg: Config) -> Path:
-    """The main loop. Returns the folder of the last checkpoint."""
+    """The main loop; returns the last checkpoint. Start-up checks first what may refuse the run (before the model
+    loads: a refusal costs nothing), then restores --resume's checkpoint, or warm-starts a fresh run by SFT."""
     from tqdm import tqdm
 
-    device = pick_device(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    out_dir = Path(cfg.output_dir)
-    data_rows = load_questions(cfg.train_file)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file of that name, a read-only disk
-        raise SystemExit(f"error: cannot create the folder --output-dir {out_dir}: {e.strerror}")
-    ckpt = resume_point(out_dir, cfg)  # before the model loads: a refusal costs nothing
+    device, out_dir, data_rows = pick_device(cfg), Path(cfg.output_dir), load_questions(cfg.train_file)
+    last = resume_point(out_dir, cfg)
     model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
-    judge = make_judge(cfg, fixed)
-    optimizer, scheduler = make_optimizer(model, cfg)
+    judge, (optimizer, scheduler) = make_judge(cfg, fixed), make_optimizer(model, cfg)
     data = DataStream(len(data_rows), cfg.seed)
-    start = load_checkpoint(ckpt, model, optimizer, scheduler, data) if ckpt else 0
+    start = load_checkpoint(last, model, optimizer, scheduler, data) if last else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         trim_jsonl(out_dir / name, start)
-    if cfg.sft_steps > 0 and latest_checkpoint(out_dir) is None:  # a fresh run: warm-start, then checkpoint-0
+    if cfg.sft_steps > 0 and last is None:
         sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
-        save_checkpoint(out_dir, 0, model, optimizer, scheduler, data, rng_state(), cfg)
+        last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, data, cfg)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
 
-    last = ckpt
-    rng = rng_state()
-    bar = tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True)
+    bar = tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
+               dynamic_ncols=True)
     with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a") as mf, \
             open(out_dir / "rollouts.jsonl", "a") as rf:
-        step = start
         for step in bar:
             batch = [data_rows[i] for i in data.next_batch(cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
                                                   tools, cfg, step)
             mf.write(json.dumps(metrics) + "\n")
+            rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
+                          for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
             mf.flush()
-            for st, r in list(zip(states, rewards))[:cfg.log_rollouts]:
-                rf.write(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n")
             rf.flush()
             if 0 < metrics["engine_requests"] == metrics["engine_failures"]:  # the server is down: stop, do not save
                 bar.close()
                 raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
                                  f"(see the lines above); stopped - once the server is back, continue with --resume")
-            rng = rng_state()  # the state a resumed run must start step+1 from
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
                             kl=f"{metrics['kl']:.4f}")
             if step % cfg.save_every == 0 or step == cfg.max_steps or interrupt.requested:
-                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, data, rng, cfg)
+                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, data, cfg)
             if interrupt.requested:
                 log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
                 break
@@ -2588,22 +2548,12 @@ def train(cfg: Config) -> Path:
     return last
 
 
-
-def digit_share(text: str) -> float:
-    """The toy task's reward: the share of characters that are digits. digit_share("a1b2") -> 0.5"""
-    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
-
-
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
                        lr: float = 2e-2, show: Optional[Callable[[int, float], None]] = None) -> list[float]:
-    """Train the tiny model on a single-turn toy task and return the mean reward per step.
-
-    The task: answer with digits (reward = digit_share of the action); a random model starts near 4%.
-    Sampling, advantages, loss and update are the trainer's own functions (sample_actions, group_advantages,
-    fill_logprobs, update_policy), so a rising curve means the whole update path has the right sign and
-    scale - this is the learning test and the README's curve. (At lr 5e-2 a seed that reached 1.00 could
-    fall back: once all advantages are 0, the tiny KL gradient alone is scaled up to full-size Adam steps.)
-    """
+    """Train the tiny model on a single-turn toy task - answer with digits, reward = the share of digits in the action -
+    and return the mean reward per step. Sampling, advantages, loss and update are the trainer's own functions, so a
+    rising curve means the whole update path has the right sign and scale: the learning test and the README's curve.
+    lr 2e-2: at 5e-2 a seed at 1.00 could fall back (all advantages 0: Adam scales up the tiny KL gradient)."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
@@ -2617,10 +2567,10 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         model.eval()
         samples = sample_actions(model, tokenizer, [p for p in prompts for _ in range(group)],
                                  max_new_tokens=max_new_tokens, temperature=cfg.temperature)
-        rewards = [digit_share(s.text) for s in samples]
-        adv = group_advantages(rewards, [i // group for i in range(len(samples))])
-        rows = [Row(s.prompt_ids, s.action_ids, s.logprobs, float(a), i, i // group)
-                for i, (s, a) in enumerate(zip(samples, adv))]
+        rewards = [sum(c.isdigit() for c in s.text) / max(1, len(s.text)) for s in samples]  # the digits' share
+        adv_B = group_advantages(rewards, [i // group for i in range(len(samples))])
+        rows = [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a),
+                    traj_id=i) for i, (s, a) in enumerate(zip(samples, adv_B))]
         fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="old_logp")
         fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="ref_logp", base=True)
         update_policy(model, optimizer, rows, cfg, step)
@@ -2629,6 +2579,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         if show:
             show(step, curve[-1])
     return curve
+
 
 # =====================================================================================================
 # 13. Evaluation and the command line

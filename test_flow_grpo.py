@@ -1205,8 +1205,8 @@ def rendered(tok, texts):
     return [fg.render_chat(tok, t) for t in texts]
 
 
-def make_rows(samples, adv, group):
-    return [fg.Row(s.prompt_ids, s.action_ids, s.logprobs, float(a), i, i // group)
+def make_rows(samples, adv):
+    return [fg.Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a), traj_id=i)
             for i, (s, a) in enumerate(zip(samples, adv))]
 
 
@@ -1801,15 +1801,15 @@ def test_ratio_is_one_before_the_first_update(tiny):
     model, tok = tiny
     torch.manual_seed(0)
     samples = fg.sample_actions(model, tok, rendered(tok, ["q1", "q2 longer"] * 2), max_new_tokens=12, temperature=0.7)
-    rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5], group=2)
+    rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5])
     for mode in ("captured", "recompute"):
         cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=3, old_logprobs=mode)
         if mode == "recompute":  # other chunks than the update's (2 vs 3 rows): padding must not matter
             fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=2, attr="old_logp")
-            assert all(torch.allclose(r.old_logp, r.behaviour_logp, atol=1e-4) for r in rows)
+            assert all(torch.allclose(r.old_logp, r.logprobs, atol=1e-4) for r in rows)
         else:  # the sampler's own log-probs against the update's forward pass: the real test
             for r in rows:
-                r.old_logp = r.behaviour_logp
+                r.old_logp = r.logprobs
         fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="ref_logp", base=True)
         model.zero_grad()
         _, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
@@ -1828,7 +1828,7 @@ def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
         cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2, kl_coef=kl_coef)
         results = []
         for explicit in (True, False):
-            rows = make_rows(samples, [1.0, -0.5, 0.25], group=3)
+            rows = make_rows(samples, [1.0, -0.5, 0.25])
             if explicit:
                 fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="old_logp")
             if explicit or kl_coef > 0:
@@ -1848,7 +1848,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, agg):
     torch.manual_seed(1)
     samples = fg.sample_actions(model, tok, rendered(tok, ["a", "bb", "ccc", "dddd", "e", "ff"]), max_new_tokens=10,
                                 temperature=1.0)
-    rows = make_rows(samples, [1.0, -1.0, 0.3, -0.3, 2.0, -2.0], group=2)
+    rows = make_rows(samples, [1.0, -1.0, 0.3, -0.3, 2.0, -2.0])
     for r, t in zip(rows, [0, 0, 1, 1, 1, 2]):  # uneven turns per trajectory, so 'turn' weighting matters
         r.traj_id = t
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="old_logp")
@@ -1876,7 +1876,7 @@ def test_one_update_changes_lora_and_not_base():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.manual_seed(0)
     samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 4), max_new_tokens=8, temperature=1.0)
-    rows = make_rows(samples, [1.0, -1.0, 1.0, -1.0], group=4)
+    rows = make_rows(samples, [1.0, -1.0, 1.0, -1.0])
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="old_logp")
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="ref_logp", base=True)
     stats = fg.update_policy(model, opt, rows, cfg, step=1)
@@ -1891,7 +1891,7 @@ def test_non_finite_loss_skips_the_update(tiny):
     cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
     samples = fg.sample_actions(model, tok, rendered(tok, ["q", "r"]), max_new_tokens=4, temperature=1.0)
-    rows = make_rows(samples, [float("nan"), 1.0], group=2)
+    rows = make_rows(samples, [float("nan"), 1.0])
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="old_logp")
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="ref_logp", base=True)
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
@@ -1903,10 +1903,10 @@ def test_non_finite_loss_skips_the_update(tiny):
 def test_minibatches_keep_trajectories_whole_and_step_once_each(tiny, monkeypatch):
     model, tok = tiny
     samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 8), max_new_tokens=3, temperature=1.0)
-    rows = make_rows(samples, [1.0, -1.0] * 4, group=4)
+    rows = make_rows(samples, [1.0, -1.0] * 4)
     for r, traj in zip(rows, [0, 0, 1, 1, 2, 3, 3, 3]):  # trajectories with 1-3 turns
         r.traj_id = traj
-        r.old_logp = r.ref_logp = r.behaviour_logp
+        r.old_logp = r.ref_logp = r.logprobs
     seen = []
     monkeypatch.setattr(fg, "minibatch_loss_and_backward",
                         lambda m, mb, cfg: (seen.append(sorted(r.traj_id for r in mb)), (0.0, {}))[1])
@@ -2837,9 +2837,10 @@ def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objecti
     B, G = 3, 4
     rewards = [float(x) for x in torch.randint(0, 2, (B * G,), generator=g)] + [1.0] * G  # + a zero-variance group
     turns = torch.randint(1, 5, (len(rewards),), generator=g).tolist()
-    rows = [fg.Row(torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.0, i, f"q{i // G}")  # string ids
-            for i, t in enumerate(turns) for _ in range(t)]
-    fg.set_turn_advantages(rows, rewards, "group")
+    group_ids = [f"q{i // G}" for i in range(len(rewards))]  # string ids
+    rows = [fg.Row(prompt_ids=torch.zeros(1), action_ids=torch.zeros(1), logprobs=torch.zeros(1), advantage=0.0,
+                   traj_id=i) for i, t in enumerate(turns) for _ in range(t)]
+    fg.set_turn_advantages(rows, rewards, group_ids, "group")
     lens = torch.randint(1, 7, (len(rows),), generator=g)
     mask = torch.arange(6)[None, :] < lens[:, None]
     logp = (-2 * torch.rand(len(rows), 6, generator=g)).requires_grad_()
@@ -2849,7 +2850,7 @@ def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objecti
     ours, stats = fg.grpo_loss(logp, old, ref, adv_R, mask, clip_low=0.2, clip_high=0.3, clip_ratio_c=3.0,
                                kl_coef=0.01, agg="token-mean")
     (grad_ours,) = torch.autograd.grad(ours, logp)
-    verl_adv = verl_grpo_outcome_advantage([rewards[r.traj_id] for r in rows], [r.group_id for r in rows])
+    verl_adv = verl_grpo_outcome_advantage([rewards[r.traj_id] for r in rows], [group_ids[r.traj_id] for r in rows])
     theirs = verl_actor_loss(old, logp, ref, verl_adv[:, None] * mask, mask, 0.2, 0.3, 3.0, 0.01)
     (grad_theirs,) = torch.autograd.grad(theirs, logp)
     assert stats["dual_clip_frac"] > 0 and stats["clip_frac"] > 0
