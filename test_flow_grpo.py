@@ -2531,9 +2531,9 @@ def test_agent_counts_and_step_metrics():
                             fixed=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
     c = fg.agent_counts(states, {"Echo_Tool": None})
     assert (c["turns"], c["plans"], c["calls"], c["calls_valid"]) == (4, 3, 2, 1)
-    assert (c["structured"], c["structured_valid"]) == (4 + 2 + 4, 10 - 2)  # analyses + calls + verdicts
+    assert (c["structured"], c["structured_valid"]) == (4 + 2 + 0, 6 - 1)  # analyses + calls (no verdict: 1 turn)
     m = fg.trajectory_metrics(states, {"Echo_Tool": None, "Other_Tool": None})
-    assert m["plan_parse_rate"] == 0.75 and m["tool_call_valid"] == 0.5 and m["structured_valid"] == 0.8
+    assert m["plan_parse_rate"] == 0.75 and m["tool_call_valid"] == 0.5 and m["structured_valid"] == 5 / 6
     assert m["tool_share"] == {"Echo_Tool": 1.0, "Other_Tool": 0.0}
 
 
@@ -2545,7 +2545,7 @@ def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(fg, "build_agent", lambda cfg, device: agent)
     fg.evaluate(fg.Config(val_file=str(tmp_path / "val.parquet"), max_turns=1), "cpu")
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == "eval: accuracy 2/4, plans parsed 3/4, tool calls valid 1/2, structured outputs valid 8/10"
+    assert last == "eval: accuracy 2/4, plans parsed 3/4, tool calls valid 1/2, structured outputs valid 5/6"
 
 
 def test_arithmetic_answers_are_computed_and_the_eval_split_held_out(tmp_path, monkeypatch):
