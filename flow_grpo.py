@@ -1833,7 +1833,8 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
 
 
 def group_members(group_ids) -> list[list[int]]:
-    """Row indices per group, ids of any hashable type: ["q1", "q2", "q1"] -> [[0, 2], [1]] (tensors via .tolist())."""
+    """Row indices per group, ids of any hashable type: ["q1", "q2", "q1"] -> [[0, 2], [1]]. (A tensor is read
+    with .tolist(): its own elements would hash by identity, not value.)"""
     members: dict[Any, list[int]] = {}
     for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
         members.setdefault(g, []).append(i)
@@ -1845,7 +1846,7 @@ def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6
 
     scale='group': divide by the group's unbiased std (GRPO, verl); 'batch': by the std of ALL rewards in the
     batch (TRL's; less noisy for small G); 'none': centred only (Dr. GRPO). A group whose rewards are all equal
-    carries no signal: its advantages are exactly 0, not 0/eps noise (and a group of one too; verl: reward/1).
+    carries no signal: its advantages are exactly 0, not 0/eps noise; so are a lone sample's (verl: its reward).
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
@@ -1909,7 +1910,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
     region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
     smaller one and the gradient flows - so the clip never shields a move that makes things worse.
-    clip_ratio_c (verl's dual clip, None = off): for A < 0 and rho > clip_ratio_c the loss stays at
+    clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
     -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update.
     """
     mask_BA = mask.bool()
@@ -1921,7 +1922,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     surr_BA = ratio_BA * adv_B1
     surr_clipped_BA = ratio_BA.clamp(1 - clip_low, 1 + clip_high) * adv_B1
     pg_loss_BA = -torch.minimum(surr_BA, surr_clipped_BA)
-    if clip_ratio_c is not None:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
+    if clip_ratio_c:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
         pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
     delta_BA = torch.where(mask_BA, ref_logp - logp, 0.0).clamp(-20, 20)
     kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
@@ -2300,8 +2301,8 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     copy can still tear one later: it is skipped with one line."""
     from safetensors.torch import load_file
 
-    steps = sorted((int(p.name[11:]), p) for p in out_dir.glob("checkpoint-*") if p.name[11:].isdigit())
-    for _, ckpt in reversed(steps):
+    found = [p for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    for ckpt in sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True):
         try:
             load_file(str(ckpt / "adapter_model.safetensors"))
             torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
