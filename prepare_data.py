@@ -546,15 +546,17 @@ def build_sample(seed: int = 42, max_samples: int | None = None):
 # decides. A 135M-parameter model guesses multi-digit products and sums wrong
 # but writes `print(37 * 91)` easily, so a planner can learn to route them to
 # the Python tool. Answers are COMPUTED from the drawn operands, never typed.
+# Operators are written as symbols: with "37 times 91" the same model passed
+# "37times91" on as the tool's query, with "37 * 91" the expression itself.
 
 ARITHMETIC_TRAIN_FILE = Path("arithmetic") / "train.parquet"
 ARITHMETIC_VAL_FILE = Path("arithmetic") / "val.parquet"
 
 # (question template, operation, range of a, range of b)
 ARITHMETIC_TEMPLATES = (
-    ("What is {a} times {b}?", operator.mul, (12, 99), (12, 99)),
+    ("What is {a} * {b}?", operator.mul, (12, 99), (12, 99)),
     ("What is {a} + {b}?", operator.add, (1000, 9999), (1000, 9999)),
-    ("What is {a} minus {b}?", operator.sub, (1000, 9999), (100, 999)),
+    ("What is {a} - {b}?", operator.sub, (1000, 9999), (100, 999)),
 )
 
 

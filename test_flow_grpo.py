@@ -2551,7 +2551,7 @@ def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
 def test_arithmetic_answers_are_computed_and_the_eval_split_held_out(tmp_path, monkeypatch):
     train, val = prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30)
     assert prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30) == (train, val)  # seeded
-    ops = {"times": lambda a, b: a * b, "+": lambda a, b: a + b, "minus": lambda a, b: a - b}
+    ops = {"*": lambda a, b: a * b, "+": lambda a, b: a + b, "-": lambda a, b: a - b}
     for r in train + val:
         a, op, b = r["question"].removeprefix("What is ").removesuffix("?").split(" ")
         assert r["result"] == str(ops[op](int(a), int(b))) and r["source"] == "arithmetic"
