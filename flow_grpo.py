@@ -108,6 +108,8 @@ import wikipedia
 from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from prepare_data import load_questions  # reads the parquet files that prepare_data.py writes
+
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
 
@@ -2081,31 +2083,6 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
     return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, **options)
-
-
-def load_questions(path: str, limit: int = 0) -> list[dict]:
-    """Rows of a prepare_data.py parquet as dicts with id, question, answer (the ground truth) and source. Rows
-    without a question or gold are dropped with a count (a missing gold read as "nan" would match an answer "nan")."""
-    import pandas as pd
-
-    if not Path(path).exists():
-        raise SystemExit(f"error: {path} not found; build it with `python prepare_data.py` "
-                         f"(or `python prepare_data.py --sample` offline)")
-    try:
-        df = pd.read_parquet(path)  # (a folder of parquet files is read as one table)
-    except Exception as e:  # pyarrow raises many types for a file that is not parquet
-        raise SystemExit(f"error: {path} is not a readable parquet file ({_short_error(e, 150)})")
-    if missing := sorted({"question", "result"} - set(df.columns)):
-        raise SystemExit(f"error: {path} has no column {missing}: not a parquet file from prepare_data.py?")
-    qa = df[["question", "result"]]
-    keep = (qa.notna() & (qa.astype(str).apply(lambda col: col.str.strip()) != "")).all(axis=1)  # not None/NaN/blank
-    if not keep.all():
-        log(f"{path}: dropped {int((~keep).sum())} of {len(df)} rows without a question or ground truth")
-    rows = [{"id": r.get("id", i), "question": str(r["question"]), "answer": str(r["result"]),
-             "source": str(r.get("source", "?"))} for i, r in enumerate(df[keep].to_dict("records"))]
-    if not rows:
-        raise SystemExit(f"error: {path} holds no usable question")
-    return rows[:limit] if limit else rows
 
 
 def ensure_sample_data(cfg: Config) -> None:

@@ -573,6 +573,33 @@ def arithmetic_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def load_questions(path: str, limit: int = 0) -> list[dict]:
+    """Rows of a prepare_data.py parquet as dicts with id, question, answer (the ground truth) and source. Rows
+    without a question or gold are dropped with a count (a missing gold read as "nan" would match an answer "nan")."""
+    import pandas as pd
+
+    def fail(msg: str):
+        raise SystemExit(f"error: {path} {msg}")
+
+    if not Path(path).exists():
+        fail("not found; build it with `python prepare_data.py` (or `python prepare_data.py --sample` offline)")
+    try:
+        df = pd.read_parquet(path)  # (a folder of parquet files is read as one table)
+    except Exception as e:  # pyarrow raises many types for a file that is not parquet
+        fail(f"is not a readable parquet file ({type(e).__name__}: {str(e)[:150]})")
+    if missing := sorted({"question", "result"} - set(df.columns)):
+        fail(f"has no column {missing}: not a parquet file from prepare_data.py?")
+    qa = df[["question", "result"]]
+    keep = (qa.notna() & (qa.astype(str).apply(lambda col: col.str.strip()) != "")).all(axis=1)  # not None/NaN/blank
+    if not keep.all():
+        print(f"{path}: dropped {int((~keep).sum())} of {len(df)} rows without a question or ground truth", file=sys.stderr)
+    rows = [{"id": r.get("id", i), "question": str(r["question"]), "answer": str(r["result"]),
+             "source": str(r.get("source", "?"))} for i, r in enumerate(df[keep].to_dict("records"))]
+    if not rows:
+        fail("holds no usable question")
+    return rows[:limit] if limit else rows
+
+
 def build_arithmetic(seed: int = 42, n_train: int = 600, n_val: int = 60):
     """(train_rows, val_rows): one draw of distinct questions, split, so the
     validation questions are held out."""

@@ -2710,10 +2710,10 @@ def test_cli_exit_code_2_for_an_empty_training_file(tmp_path):
 def test_rows_without_ground_truth_are_dropped_with_a_count(tmp_path, capsys):
     path = write_parquet(tmp_path / "t.parquet", id=[0, 1, 2, 3, 4], question=["a?", "b?", "c?", "d?", None],
                          result=["1", None, float("nan"), " ", "5"], source=["s"] * 5)
-    rows = fg.load_questions(str(path))
+    rows = prepare_data.load_questions(str(path))
     assert [(r["question"], r["answer"]) for r in rows] == [("a?", "1")]
     assert "dropped 4 of 5 rows" in capsys.readouterr().err
-    assert fg.load_questions(str(write_parquet(tmp_path / "u.parquet", question=["q"], result=[7])))[0]["answer"] == "7"
+    assert prepare_data.load_questions(str(write_parquet(tmp_path / "u.parquet", question=["q"], result=[7])))[0]["answer"] == "7"
 
 
 def fake_checkpoint(out_dir, step, cfg):
