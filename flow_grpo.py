@@ -1528,11 +1528,13 @@ def make_tools(names: list[str], engine: Engine, **options: Any) -> dict[str, To
 # =====================================================================================================
 # 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
 # =====================================================================================================
-# solve_batch() advances MANY questions at once, turn by turn: each phase sends the prompts of every live
-# trajectory to its engine in one batch. --ask is a batch of one; training rollouts are B x G trajectories.
-# The planner is any function prompts -> outputs, where an output is a string or an object with `.text`;
-# during rollouts it returns Samples (section 8) that carry token ids and log-probs, and the solver keeps
-# each one next to its turn without looking inside.
+# solve_batch() advances many questions in lockstep: each phase sends the prompts of every live trajectory to
+# its engine in one batch (--ask is a batch of one, a training rollout B x G). The planner is any function
+# prompts -> outputs (strings, or objects with `.text`); each output is kept beside its turn, unread.
+
+
+def describe_tools(tools: dict) -> str:
+    return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
 
 
 def analysis_prompt(question: str, tools: dict) -> str:
@@ -1569,19 +1571,15 @@ def answer_prompt(question: str, memory: Memory) -> str:
             f"Steps taken:\n{memory.to_text()}")
 
 
-def describe_tools(tools: dict) -> str:
-    return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
-
-
 @dataclass
 class Turn:
     """One planner turn and everything that followed from it."""
     plan_text: str  # the planner's raw output: the action a_t
     plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
-    call: Optional[dict]  # the tool call that was run: {"tool_name", "arguments"} (the tool validated them)
+    call: Optional[dict]  # the tool call that ran: {"tool_name", "arguments"} (the tool validated them)
     result: Any  # what the tool returned, or {"error": ...}
-    verdict: Optional[Verification]  # the verifier's decision after this turn
-    planner_output: Any = None  # what the planner returned (a Sample with ids and log-probs in rollouts)
+    verdict: Optional[Verification] = None  # the verifier's decision after this turn
+    planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
 
 
 @dataclass
@@ -1605,9 +1603,24 @@ def timed(timings: Optional[dict], key: str):
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
+def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
+    """The executor's call for each plan that names a real tool, in THAT tool's own call_schema (one batched
+    request per chosen tool); None for the other plans, and where the executor gave no valid call."""
+    calls: list[Optional[ToolCall]] = [None] * len(live)
+    todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
+    for name in sorted({plans[i].tool_name for i in todo}):
+        rows = [i for i in todo if plans[i].tool_name == name]
+        with timed(timings, "fixed"):
+            made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+                                  schema=call_schema(name, tools[name].input_model))
+        for i, c in zip(rows, made):
+            calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
+    return calls
+
+
 def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) -> tuple[Optional[dict], Any]:
-    """Validate the executor's call and run the tool. Every failure becomes a readable error for the memory
-    (and for the planner's next prompt), never an exception: the agent must be able to recover from it."""
+    """Run the tool. Every failure becomes a readable error for the memory and the planner's next prompt,
+    never an exception: the agent must be able to recover from it."""
     if plan is None:
         return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
     if plan.tool_name not in tools:
@@ -1631,53 +1644,43 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
     for st, a in zip(states, analyses):
         st.analysis = json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)"
         st.stats["parse_fail:analysis"] += a is None
-
-    with contextlib.nullcontext(threading.Semaphore(max(1, tool_workers))) as slots:  # no pool to join at exit
-        for turn in range(1, max_turns + 1):
-            live = [st for st in states if not st.done]
-            if not live:
-                break
-            # 1) PLAN: one batched call for every live trajectory - the only trained step.
-            with timed(timings, "planner"):
-                outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
-                                   for st in live])
-            texts = [getattr(o, "text", o) for o in outputs]
-            plans = [parse_structured(t, NextStep) for t in texts]
-            # 2) EXECUTE: for each plan that names a real tool, the executor writes a call in THAT tool's own
-            # call_schema - so one batched call per chosen tool.
-            todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
-            calls: list[Optional[ToolCall]] = [None] * len(live)
-            for name in sorted({plans[i].tool_name for i in todo}):
-                rows = [i for i in todo if plans[i].tool_name == name]
-                with timed(timings, "fixed"):
-                    made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
-                                          schema=call_schema(name, tools[name].input_model))
-                for i, c in zip(rows, made):
-                    calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
-            # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
-            with timed(timings, "tools"):
-                ran = run_in_threads(lambda pc: run_step(tools, *pc), list(zip(plans, calls)), slots,
-                                     fixed.phase_timeout_s, "tool calls")
-            ran = [r or (None, {"error": f"no result within {fixed.phase_timeout_s:.0f} s"}) for r in ran]
-            # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
-            for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
-                st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
-                st.turns.append(Turn(text, plan, command, result, None, out))
-                st.stats["parse_fail:plan"] += plan is None
-                st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
-                if command is not None:
-                    st.stats[f"tool:{command['tool_name']}"] += 1
-                    st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
-            # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
-            if turn == max_turns:  # not after the last turn: the loop ends anyway, a verdict would change nothing
-                break
-            with timed(timings, "fixed"):
-                verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
-                                          schema=Verification)
-            for st, v in zip(live, verdicts):
-                st.turns[-1].verdict = v
-                st.stats["parse_fail:verdict"] += v is None
-                st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
+    slots = threading.Semaphore(max(1, tool_workers))
+    for turn in range(1, max_turns + 1):
+        live = [st for st in states if not st.done]
+        if not live:
+            break
+        # 1) PLAN: one batched call for every live trajectory - the only trained step.
+        with timed(timings, "planner"):
+            outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
+                               for st in live])
+        texts = [getattr(o, "text", o) for o in outputs]
+        plans = [parse_structured(t, NextStep) for t in texts]
+        # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
+        calls = write_calls(live, plans, fixed, tools, timings)
+        # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
+        with timed(timings, "tools"):
+            ran = run_in_threads(lambda pc: run_step(tools, *pc), list(zip(plans, calls)), slots,
+                                 fixed.phase_timeout_s, "tool calls")
+        ran = [r or (None, {"error": f"no result within {fixed.phase_timeout_s:.0f} s"}) for r in ran]
+        # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
+        for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
+            st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
+            st.turns.append(Turn(plan_text=text, plan=plan, call=command, result=result, planner_output=out))
+            st.stats["parse_fail:plan"] += plan is None
+            st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
+            if command is not None:
+                st.stats[f"tool:{command['tool_name']}"] += 1
+                st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
+        # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
+        if turn == max_turns:  # not after the last turn: the loop ends anyway, a verdict would change nothing
+            break
+        with timed(timings, "fixed"):
+            verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
+                                      schema=Verification)
+        for st, v in zip(live, verdicts):
+            st.turns[-1].verdict = v
+            st.stats["parse_fail:verdict"] += v is None
+            st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
     with timed(timings, "fixed"):
         finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
@@ -1692,14 +1695,12 @@ def format_trajectory(st: AgentState) -> str:
     """A readable trajectory for --ask and for rollouts.jsonl."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
     for i, t in enumerate(st.turns, 1):
-        lines.append(f"--- turn {i} ---")
-        lines.append(f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}")
-        lines.append(f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}")
-        lines.append(f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}")
         verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
-        lines.append(f"VERIFIER: {verdict}")
-    lines.append(f"FINAL: {st.final_output}")
-    return "\n".join(lines)
+        lines += [f"--- turn {i} ---",
+                  f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}",
+                  f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}",
+                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}", f"VERIFIER: {verdict}"]
+    return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
 
 # =====================================================================================================
