@@ -1833,8 +1833,6 @@ def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: E
 # =====================================================================================================
 # 9. Judge reward
 # =====================================================================================================
-
-
 # The rule judge: OUR extraction of the final answer, then exact numbers, then SQuAD-normalised text, then
 # Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order). Only the last
 # ANSWER_TAIL characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
@@ -1844,7 +1842,7 @@ SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi 
 
 
 def last_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...}, braces balanced: last_boxed(r"so \\boxed{\\frac{1}{2}}") -> r"\\frac{1}{2}" """
+    """The content of the last \\boxed{...}, braces balanced; None if there is none or it is unclosed."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -1853,7 +1851,7 @@ def last_boxed(text: str) -> Optional[str]:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
-    return None  # unbalanced: truncated output
+    return None
 
 
 def extract_answer(text: str) -> str:
@@ -1876,7 +1874,7 @@ def extract_answer(text: str) -> str:
 
 
 def strip_latex(text: str) -> str:
-    """A math answer without the LaTeX that does not change it: \\left, \\dfrac, thin spaces, spaces (but one
+    """Without the LaTeX that does not change a math answer: \\left, \\dfrac, thin spaces, spaces (but one
     between digits: '1 2' is not 12). Signs, brackets and case stay: '(-1, 2)' is not '(1, 2)'."""
     t = re.sub(r"\s+", " ", text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
     return re.sub(r"\\(?:left|right)(?![a-zA-Z])|(?<!\\)\\[!,;: ]|(?<!\d) | (?!\d)", "", t)
@@ -1906,10 +1904,9 @@ def normalize_text(text: str) -> str:
     return " ".join(w for w in re.sub(r"[^\w\s]", " ", t).split() if w not in {"a", "an", "the"})
 
 
-# math-verify runs in a `python -c` worker process (multiprocessing would re-import the caller's __main__),
-# killed after SYMPY_TIMEOUT_S: sympy has no time bound ('(x+1)^{999}' simplifies for 40 s, '10^{10^{10}}'
-# never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only and cannot stop
-# one long integer operation. Answers go in \boxed{}: a bare '2\sqrt{3}' parses as just 2.
+# math-verify runs in a `python -c` worker process, killed after SYMPY_TIMEOUT_S: sympy has no time bound
+# ('10^{10^{10}}' never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only.
+# (multiprocessing would re-import the caller's __main__.) Answers go in \boxed{}: a bare '2\sqrt{3}' parses as 2.
 MATH_WORKER = r"""
 import json, sys
 from math_verify import parse, verify
@@ -1932,17 +1929,16 @@ def math_verify_equal(gold: str, pred: str) -> bool:
                                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         proc, reply = _math_worker["proc"], ""
         try:
-            proc.stdin.write(json.dumps([gold, pred]) + "\n")
-            proc.stdin.flush()
-            if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
-                reply = proc.stdout.readline()
-        except BrokenPipeError:  # it died
-            pass
+            with contextlib.suppress(BrokenPipeError):  # it died
+                proc.stdin.write(json.dumps([gold, pred]) + "\n")
+                proc.stdin.flush()
+                if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
+                    reply = proc.stdout.readline()
         finally:  # too slow, dead or interrupted (a late reply would answer the next question): a fresh one
             if not reply:
+                del _math_worker["proc"]
                 proc.kill()
                 proc.wait()
-                del _math_worker["proc"]
         return reply.strip() == "1"
 
 
@@ -1971,8 +1967,8 @@ def answers_match(pred: str, gold: str) -> bool:
 
 def rule_reward(answer: str, ground_truth: str) -> float:
     """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0. Whole answers
-    only, no substring traps: '1444' is not '144', 'Paris, Texas' is not 'Paris', '(-1, 2)' is not '(1, 2)'.
-    Both sides get one spelling (SPELLINGS) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
+    only: '1444' is not '144', 'Paris, Texas' is not 'Paris'. Both sides get one spelling (SPELLINGS) and lose
+    \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
     pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", s.translate(SPELLINGS)).strip()
                     for s in [extract_answer(answer), *str(ground_truth).split("; ")]]
     return float(any(answers_match(pred, g) for g in golds if g))
@@ -1993,8 +1989,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
         return rule, 0
     verdicts = engine.generate([judge_prompt(q, a, t) for q, a, t in zip(questions, answers, truths)],
                                schema=JudgeVerdict)
-    rewards = [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)]
-    return rewards, sum(v is None for v in verdicts)
+    return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
 
 # =====================================================================================================
