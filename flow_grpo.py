@@ -1604,8 +1604,7 @@ def timed(timings: Optional[dict], key: str):
 
 
 def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
-    """The executor's call for each plan that names a real tool, in THAT tool's own call_schema (one batched
-    request per chosen tool); None for the other plans, and where the executor gave no valid call."""
+    """Per plan, the executor's call in the named tool's own call_schema (one batch per tool), or None."""
     calls: list[Optional[ToolCall]] = [None] * len(live)
     todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
     for name in sorted({plans[i].tool_name for i in todo}):
@@ -1619,8 +1618,7 @@ def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict,
 
 
 def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) -> tuple[Optional[dict], Any]:
-    """Run the tool. Every failure becomes a readable error for the memory and the planner's next prompt,
-    never an exception: the agent must be able to recover from it."""
+    """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
     if plan is None:
         return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
     if plan.tool_name not in tools:
@@ -2846,8 +2844,7 @@ def _slow_openai_server(delay_s: float):
     remote model would. Returns (base_url, server); server.shutdown() stops it."""
     import http.server
 
-    body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in", "choices": [
-        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]}).encode()
+    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}).encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
