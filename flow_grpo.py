@@ -1361,11 +1361,13 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
 # =====================================================================================================
 # 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
 # =====================================================================================================
-# solve_batch() advances MANY questions at once, turn by turn: each phase sends the prompts of every live
-# trajectory to its engine in one batch. --ask is a batch of one; training rollouts are B x G trajectories.
-# The planner is any function prompts -> outputs, where an output is a string or an object with `.text`;
-# during rollouts it returns Samples (section 8) that carry token ids and log-probs, and the solver keeps
-# each one next to its turn without looking inside.
+# solve_batch() advances many questions in lockstep: each phase sends the prompts of every live trajectory to
+# its engine in one batch (--ask is a batch of one, a training rollout B x G). The planner is any function
+# prompts -> outputs (strings, or objects with `.text`); each output is kept beside its turn, unread.
+
+
+def describe_tools(tools: dict) -> str:
+    return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
 
 
 def analysis_prompt(question: str, tools: dict) -> str:
@@ -1402,19 +1404,15 @@ def answer_prompt(question: str, memory: Memory) -> str:
             f"Steps taken:\n{memory.to_text()}")
 
 
-def describe_tools(tools: dict) -> str:
-    return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
-
-
 @dataclass
 class Turn:
     """One planner turn and everything that followed from it."""
     plan_text: str  # the planner's raw output: the action a_t
     plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
-    call: Optional[dict]  # the tool call that was run: {"tool_name", "arguments"} (the tool validated them)
+    call: Optional[dict]  # the tool call that ran: {"tool_name", "arguments"} (the tool validated them)
     result: Any  # what the tool returned, or {"error": ...}
-    verdict: Optional[Verification]  # the verifier's decision after this turn
-    planner_output: Any = None  # what the planner returned (a Sample with ids and log-probs in rollouts)
+    verdict: Optional[Verification] = None  # the verifier's decision after this turn
+    planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
 
 
 @dataclass
@@ -1438,9 +1436,22 @@ def timed(timings: Optional[dict], key: str):
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
+def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
+    """Per plan, the executor's call in the named tool's own call_schema (one batch per tool), or None."""
+    calls: list[Optional[ToolCall]] = [None] * len(live)
+    todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
+    for name in sorted({plans[i].tool_name for i in todo}):
+        rows = [i for i in todo if plans[i].tool_name == name]
+        with timed(timings, "fixed"):
+            made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+                                  schema=call_schema(name, tools[name].input_model))
+        for i, c in zip(rows, made):
+            calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
+    return calls
+
+
 def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) -> tuple[Optional[dict], Any]:
-    """Validate the executor's call and run the tool. Every failure becomes a readable error for the memory
-    (and for the planner's next prompt), never an exception: the agent must be able to recover from it."""
+    """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
     if plan is None:
         return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
     if plan.tool_name not in tools:
@@ -1464,53 +1475,43 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
     for st, a in zip(states, analyses):
         st.analysis = json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)"
         st.stats["parse_fail:analysis"] += a is None
-
-    with contextlib.nullcontext(threading.Semaphore(max(1, tool_workers))) as slots:  # no pool to join at exit
-        for turn in range(1, max_turns + 1):
-            live = [st for st in states if not st.done]
-            if not live:
-                break
-            # 1) PLAN: one batched call for every live trajectory - the only trained step.
-            with timed(timings, "planner"):
-                outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
-                                   for st in live])
-            texts = [getattr(o, "text", o) for o in outputs]
-            plans = [parse_structured(t, NextStep) for t in texts]
-            # 2) EXECUTE: for each plan that names a real tool, the executor writes a call in THAT tool's own
-            # call_schema - so one batched call per chosen tool.
-            todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
-            calls: list[Optional[ToolCall]] = [None] * len(live)
-            for name in sorted({plans[i].tool_name for i in todo}):
-                rows = [i for i in todo if plans[i].tool_name == name]
-                with timed(timings, "fixed"):
-                    made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
-                                          schema=call_schema(name, tools[name].input_model))
-                for i, c in zip(rows, made):
-                    calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
-            # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
-            with timed(timings, "tools"):
-                ran = run_in_threads(lambda pc: run_step(tools, *pc), list(zip(plans, calls)), slots,
-                                     fixed.phase_timeout_s, "tool calls")
-            ran = [r or (None, {"error": f"no result within {fixed.phase_timeout_s:.0f} s"}) for r in ran]
-            # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
-            for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
-                st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
-                st.turns.append(Turn(text, plan, command, result, None, out))
-                st.stats["parse_fail:plan"] += plan is None
-                st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
-                if command is not None:
-                    st.stats[f"tool:{command['tool_name']}"] += 1
-                    st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
-            # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
-            if turn == max_turns:  # not after the last turn: the loop ends anyway, a verdict would change nothing
-                break
-            with timed(timings, "fixed"):
-                verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
-                                          schema=Verification)
-            for st, v in zip(live, verdicts):
-                st.turns[-1].verdict = v
-                st.stats["parse_fail:verdict"] += v is None
-                st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
+    slots = threading.Semaphore(max(1, tool_workers))
+    for turn in range(1, max_turns + 1):
+        live = [st for st in states if not st.done]
+        if not live:
+            break
+        # 1) PLAN: one batched call for every live trajectory - the only trained step.
+        with timed(timings, "planner"):
+            outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
+                               for st in live])
+        texts = [getattr(o, "text", o) for o in outputs]
+        plans = [parse_structured(t, NextStep) for t in texts]
+        # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
+        calls = write_calls(live, plans, fixed, tools, timings)
+        # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
+        with timed(timings, "tools"):
+            ran = run_in_threads(lambda pc: run_step(tools, *pc), list(zip(plans, calls)), slots,
+                                 fixed.phase_timeout_s, "tool calls")
+        ran = [r or (None, {"error": f"no result within {fixed.phase_timeout_s:.0f} s"}) for r in ran]
+        # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
+        for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
+            st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
+            st.turns.append(Turn(plan_text=text, plan=plan, call=command, result=result, planner_output=out))
+            st.stats["parse_fail:plan"] += plan is None
+            st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
+            if command is not None:
+                st.stats[f"tool:{command['tool_name']}"] += 1
+                st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
+        # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
+        if turn == max_turns:  # not after the last turn: the loop ends anyway, a verdict would change nothing
+            break
+        with timed(timings, "fixed"):
+            verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
+                                      schema=Verification)
+        for st, v in zip(live, verdicts):
+            st.turns[-1].verdict = v
+            st.stats["parse_fail:verdict"] += v is None
+            st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
     with timed(timings, "fixed"):
         finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
@@ -1525,14 +1526,12 @@ def format_trajectory(st: AgentState) -> str:
     """A readable trajectory for --ask and for rollouts.jsonl."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
     for i, t in enumerate(st.turns, 1):
-        lines.append(f"--- turn {i} ---")
-        lines.append(f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}")
-        lines.append(f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}")
-        lines.append(f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}")
         verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
-        lines.append(f"VERIFIER: {verdict}")
-    lines.append(f"FINAL: {st.final_output}")
-    return "\n".join(lines)
+        lines += [f"--- turn {i} ---",
+                  f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}",
+                  f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}",
+                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}", f"VERIFIER: {verdict}"]
+    return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
 
 # =====================================================================================================
@@ -1665,8 +1664,6 @@ def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: E
 # =====================================================================================================
 # 9. Judge reward
 # =====================================================================================================
-
-
 # The rule judge: OUR extraction of the final answer, then exact numbers, then SQuAD-normalised text, then
 # Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order). Only the last
 # ANSWER_TAIL characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
@@ -1676,7 +1673,7 @@ SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi 
 
 
 def last_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...}, braces balanced: last_boxed(r"so \\boxed{\\frac{1}{2}}") -> r"\\frac{1}{2}" """
+    """The content of the last \\boxed{...}, braces balanced; None if there is none or it is unclosed."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -1685,7 +1682,7 @@ def last_boxed(text: str) -> Optional[str]:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
-    return None  # unbalanced: truncated output
+    return None
 
 
 def extract_answer(text: str) -> str:
@@ -1708,7 +1705,7 @@ def extract_answer(text: str) -> str:
 
 
 def strip_latex(text: str) -> str:
-    """A math answer without the LaTeX that does not change it: \\left, \\dfrac, thin spaces, spaces (but one
+    """Without the LaTeX that does not change a math answer: \\left, \\dfrac, thin spaces, spaces (but one
     between digits: '1 2' is not 12). Signs, brackets and case stay: '(-1, 2)' is not '(1, 2)'."""
     t = re.sub(r"\s+", " ", text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
     return re.sub(r"\\(?:left|right)(?![a-zA-Z])|(?<!\\)\\[!,;: ]|(?<!\d) | (?!\d)", "", t)
@@ -1738,10 +1735,9 @@ def normalize_text(text: str) -> str:
     return " ".join(w for w in re.sub(r"[^\w\s]", " ", t).split() if w not in {"a", "an", "the"})
 
 
-# math-verify runs in a `python -c` worker process (multiprocessing would re-import the caller's __main__),
-# killed after SYMPY_TIMEOUT_S: sympy has no time bound ('(x+1)^{999}' simplifies for 40 s, '10^{10^{10}}'
-# never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only and cannot stop
-# one long integer operation. Answers go in \boxed{}: a bare '2\sqrt{3}' parses as just 2.
+# math-verify runs in a `python -c` worker process, killed after SYMPY_TIMEOUT_S: sympy has no time bound
+# ('10^{10^{10}}' never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only.
+# (multiprocessing would re-import the caller's __main__.) Answers go in \boxed{}: a bare '2\sqrt{3}' parses as 2.
 MATH_WORKER = r"""
 import json, sys
 from math_verify import parse, verify
@@ -1764,17 +1760,16 @@ def math_verify_equal(gold: str, pred: str) -> bool:
                                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         proc, reply = _math_worker["proc"], ""
         try:
-            proc.stdin.write(json.dumps([gold, pred]) + "\n")
-            proc.stdin.flush()
-            if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
-                reply = proc.stdout.readline()
-        except BrokenPipeError:  # it died
-            pass
+            with contextlib.suppress(BrokenPipeError):  # it died
+                proc.stdin.write(json.dumps([gold, pred]) + "\n")
+                proc.stdin.flush()
+                if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
+                    reply = proc.stdout.readline()
         finally:  # too slow, dead or interrupted (a late reply would answer the next question): a fresh one
             if not reply:
+                del _math_worker["proc"]
                 proc.kill()
                 proc.wait()
-                del _math_worker["proc"]
         return reply.strip() == "1"
 
 
@@ -1803,8 +1798,8 @@ def answers_match(pred: str, gold: str) -> bool:
 
 def rule_reward(answer: str, ground_truth: str) -> float:
     """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0. Whole answers
-    only, no substring traps: '1444' is not '144', 'Paris, Texas' is not 'Paris', '(-1, 2)' is not '(1, 2)'.
-    Both sides get one spelling (SPELLINGS) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
+    only: '1444' is not '144', 'Paris, Texas' is not 'Paris'. Both sides get one spelling (SPELLINGS) and lose
+    \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
     pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", s.translate(SPELLINGS)).strip()
                     for s in [extract_answer(answer), *str(ground_truth).split("; ")]]
     return float(any(answers_match(pred, g) for g in golds if g))
@@ -1825,8 +1820,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
         return rule, 0
     verdicts = engine.generate([judge_prompt(q, a, t) for q, a, t in zip(questions, answers, truths)],
                                schema=JudgeVerdict)
-    rewards = [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)]
-    return rewards, sum(v is None for v in verdicts)
+    return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
 
 # =====================================================================================================
@@ -2582,19 +2576,17 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
     judge = make_judge(cfg, fixed)
     correct, c = [], Counter()
     for i in tqdm(range(0, len(rows), batch), desc="eval", dynamic_ncols=True):
-        chunk = rows[i:i + batch]
-        states = solve_batch([r["question"] for r in chunk], planner=planner.generate, fixed=fixed, tools=tools,
-                             max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
-        rewards, _ = judge_rewards([r["question"] for r in chunk], [st.final_output for st in states],
-                                   [r["answer"] for r in chunk], judge)
-        correct += rewards
+        questions = [r["question"] for r in rows[i:i + batch]]
+        states = solve_batch(questions, planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
+                             memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
+        correct += judge_rewards(questions, [st.final_output for st in states],
+                                 [r["answer"] for r in rows[i:i + batch]], judge)[0]
         c += agent_counts(states, tools)
-    result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c)}
     print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
           + ", ".join(f"{t} {c['tool:' + t]}" for t in tools))
     print(f"eval: accuracy {round(sum(correct))}/{len(correct)}, plans parsed {c['plans']}/{c['turns']}, tool calls "
           f"valid {c['calls_valid']}/{c['calls']}, structured outputs valid {c['structured_valid']}/{c['structured']}")
-    return result
+    return {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c)}
 
 
 def ask(cfg: Config, device: str) -> AgentState:
@@ -2607,14 +2599,12 @@ def ask(cfg: Config, device: str) -> AgentState:
     return st
 
 
-
 def _slow_openai_server(delay_s: float):
-    """A 127.0.0.1 stand-in for an OpenAI-compatible server that answers every request after `delay_s`,
-    like a remote model would. Returns (base_url, server); call server.shutdown() when done."""
+    """A 127.0.0.1 stand-in for an OpenAI-compatible server that answers every request after delay_s, as a
+    remote model would. Returns (base_url, server); server.shutdown() stops it."""
     import http.server
 
-    body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in", "choices": [
-        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]}).encode()
+    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}).encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
@@ -2622,9 +2612,8 @@ def _slow_openai_server(delay_s: float):
             time.sleep(delay_s)
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(body)  # HTTP/1.0: the connection closes after it, so no Content-Length is needed
 
         log_message = lambda self, *args: None  # keep the benchmark's output clean
 
@@ -2633,50 +2622,31 @@ def _slow_openai_server(delay_s: float):
     return f"http://127.0.0.1:{server.server_address[1]}/v1", server
 
 
-def _proc_status_mb(key: str) -> float:
-    """A memory figure of this process from /proc/self/status (Linux), in MB: VmRSS now, VmHWM peak."""
-    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(key + ":"))
-    return int(line.split()[1]) / 1024
-
-
-def _update_memory_probe(mode: str, prompt_len: int, action_len: int, vocab: int, queue) -> None:
-    """(Child process.) Peak RSS growth of one forward+backward that yields the action's log-probs:
-    'naive' = full-sequence logits and log-softmax, 'ours' = action_logprobs (LM head on action columns)."""
+def _update_memory_probe(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
+    """(In a fresh process: peak RSS never goes down.) Peak RSS growth in MB of one forward+backward that yields
+    an action's log-probs: 'naive' = full-sequence logits and log-softmax, 'ours' = action_logprobs."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def status_mb(key: str) -> float:  # VmRSS now, VmHWM peak
+        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                                          tie_word_embeddings=True))
     prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
-    # Reset the kernel's peak-RSS mark (VmHWM) so that building the model does not count, then measure.
-    Path("/proc/self/clear_refs").write_text("5")
-    base_mb = _proc_status_mb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
+    base_mb = status_mb("VmRSS")
     if mode == "naive":
-        ids = torch.cat([prompt, action])[None]
-        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, prompt_len - 1:-1]
-        logp = logp.gather(-1, action[:, None]).squeeze(-1)
+        logp_PV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
+        logp = logp_PV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
     else:
         logp = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
     logp.sum().backward()
-    queue.put(_proc_status_mb("VmHWM") - base_mb)
+    return status_mb("VmHWM") - base_mb
 
 
-def update_memory_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
-    """Run _update_memory_probe in a fresh process (peak RSS is per process and never goes down)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_update_memory_probe, args=(mode, prompt_len, action_len, vocab, queue))
-    proc.start()
-    proc.join()
-    if proc.exitcode != 0:  # e.g. killed for memory: say so instead of a queue.Empty traceback
-        raise SystemExit(f"error: the {mode} memory probe died (exit code {proc.exitcode}); it needs ~8 GB of RAM")
-    return queue.get(timeout=5)
-
-
-def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> dict:
+def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     """Useful tokens/s (actions up to their first stop token) of sample_actions and of transformers' generate()
     under the same law (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
     stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
@@ -2691,109 +2661,100 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> dict:
                          max_new_tokens=n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
     gen_tokens = sum(next((i + 1 for i, t in enumerate(row) if t in stops), len(row))  # up to the first stop
                      for row in new[:, enc["input_ids"].shape[1]:].tolist())
-    return {"loop_tokens_per_s": tokens / (t2 - t1), "generate_tokens_per_s": gen_tokens / (time.perf_counter() - t2),
-            "loop_prefill_s": t1 - t0, "loop_decode_s": max(0.0, t2 - t1 - (t1 - t0))}
+    loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)
+    prefill, decode = t1 - t0, max(0.0, t2 - t1 - (t1 - t0))  # decode = the n-token run minus its prefill
+    print(f"planner sampling: loop {loop:.1f} tok/s (prefill {prefill:.2f}s, decode {decode:.2f}s) vs generate() "
+          f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
 
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> tuple[dict, list]:
-    """Part (a) of benchmark(). Returns the figures per mode and the distinct planner prompts of the lockstep run."""
+    """Part (a) of benchmark(): seconds per mode, and the distinct planner prompts of the lockstep run."""
     fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
     fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
-    report: dict[str, Any] = {}
+    seconds = {}
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
         torch.manual_seed(cfg.seed)
-        timings: dict[str, float] = {}
+        t: dict[str, float] = {}
         generated.clear()
-        fixed.dedup = mode != "unshared"
-        with timed(timings, "seconds"):
+        fixed.dedup = mode != "unshared"  # "unshared": duplicate prompts generated and prefilled again
+        with timed(t, "seconds"):
             if mode == "sequential":
                 states = [st for q in questions for _ in range(group)
-                          for st in rollout(model, tokenizer, [q], group_size=1, timings=timings, **kw)]
+                          for st in rollout(model, tokenizer, [q], group_size=1, timings=t, **kw)]
             else:
-                states = rollout(model, tokenizer, questions, group_size=group, timings=timings,
+                states = rollout(model, tokenizer, questions, group_size=group, timings=t,
                                  share_prefill=mode == "lockstep", **kw)
-        tokens = sum(len(t.planner_output.action_ids) for st in states for t in st.turns)
-        report[mode] = {"trajectories": len(states), "planner_tokens": tokens,
-                        "planner_tokens_per_s": tokens / max(1e-9, timings.get("planner", 0.0)),
-                        "fixed_generated": len(generated), "fixed_distinct": len(set(generated)), **timings}
         if mode == "lockstep":  # one update on this batch, to show its share of a training step
             rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
                                                        [i // group for i in range(len(states))]), group)
-            optimizer, _ = make_optimizer(model, cfg)
-            with timed(report[mode], "update"):
+            with timed(t, "update"):
                 fill_old_and_ref(model, rows, cfg)
-                update_policy(model, optimizer, rows, cfg, step=1)
-            prompts = list(dict.fromkeys(tokenizer.decode(r.prompt_ids) for r in rows))  # distinct planner prompts
-    return report, prompts
+                update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
+            prompts = list(dict.fromkeys(tokenizer.decode(row.prompt_ids) for row in rows))
+        tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
+        where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
+        print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
+              f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
+        seconds[mode] = t["seconds"]
+    return seconds, prompts
 
 
-def benchmark(cfg: Config, device: str, group: int = 8) -> dict:
-    """Measure what lockstep batching, sharing and concurrency buy, and the memory of the update.
-
+def benchmark(cfg: Config, device: str, group: int = 8) -> None:
+    """Measure what lockstep batching, sharing and concurrency buy, and the memory of the update:
     (a) the same questions, G trajectories each, same engines, seed, turns and token limits: lockstep (the trainer's
         rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one trajectory at a time;
     (b) the planner's sampling loop vs transformers' generate() on the distinct planner prompts of (a);
     (c) G remote calls to a stand-in server that answers after 100 ms: concurrent vs one after another;
-    (d) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs.
-    """
+    (d) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs."""
+    import multiprocessing
+
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
     kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
               max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
     log("benchmark: warm-up rollout")
     rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs
-    report, prompts = _time_rollouts(cfg, model, tokenizer, questions, group, kw)
-    speedup = report["sequential"]["seconds"] / report["lockstep"]["seconds"]
-    print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner tokens, "
-          f"model {cfg.model} on {device}")
-    for mode in ("lockstep", "unshared", "sequential"):
-        r = report[mode]
-        where = ", ".join(f"{k} {r[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in r)
-        print(f"  {mode:10s} {r['seconds']:7.2f}s  planner {r['planner_tokens_per_s']:8.1f} tok/s  ({where}); frozen "
-              f"roles generated {r['fixed_generated']} prompts ({r['fixed_distinct']} distinct)")
-    print(f"rollout speedup: {speedup:.1f}x (lockstep vs sequential), "
-          f"{report['unshared']['seconds'] / report['lockstep']['seconds']:.1f}x (vs nothing shared)")
+    print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
+          f"tokens, model {cfg.model} on {device}")
+    s, prompts = _time_rollouts(cfg, model, tokenizer, questions, group, kw)
+    print(f"rollout speedup: {s['sequential'] / s['lockstep']:.1f}x (lockstep vs sequential), "
+          f"{s['unshared'] / s['lockstep']:.1f}x (vs nothing shared)")
     log(f"benchmark: sampling loop vs generate() on {len(prompts)} distinct planner prompts")
-    report["sampling"] = sp = _sampling_speed(model, tokenizer, prompts, cfg)
-    print(f"planner sampling: loop {sp['loop_tokens_per_s']:.1f} tok/s (prefill {sp['loop_prefill_s']:.2f}s, decode "
-          f"{sp['loop_decode_s']:.2f}s) vs generate() {sp['generate_tokens_per_s']:.1f} tok/s "
-          f"({sp['loop_tokens_per_s'] / sp['generate_tokens_per_s']:.2f}x)")
+    _sampling_speed(model, tokenizer, prompts, cfg)
 
     url, server = _slow_openai_server(0.1)
     try:
-        remote = OpenAIEngine(url, "stand-in", workers=group)
-        prompts = [f"question {i}" for i in range(group)]
+        remote, prompts = OpenAIEngine(url, "stand-in", workers=group), [f"question {i}" for i in range(group)]
         remote.generate(prompts[:1])  # warm-up: connection set-up
         t0 = time.perf_counter()
         remote.generate(prompts)
-        concurrent_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         for p in prompts:
             remote.ask(p)
-        serial_s = time.perf_counter() - t0
+        t2 = time.perf_counter()
     finally:
         server.shutdown()
-    print(f"  remote: {group} calls of 100 ms: concurrent {concurrent_s:.2f}s, one after another {serial_s:.2f}s")
-    print(f"remote concurrency speedup: {serial_s / concurrent_s:.1f}x")
+    print(f"  remote: {group} calls of 100 ms: concurrent {t1 - t0:.2f}s, one after another {t2 - t1:.2f}s")
+    print(f"remote concurrency speedup: {(t2 - t1) / (t1 - t0):.1f}x")
 
-    naive, ours = update_memory_mb("naive"), update_memory_mb("ours")
+    try:  # max_tasks_per_child=1: each probe in a fresh process
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                    max_tasks_per_child=1) as pool:
+            naive, ours = pool.map(_update_memory_probe, ("naive", "ours"))
+    except concurrent.futures.BrokenExecutor:  # e.g. killed for memory: one line instead of a traceback
+        raise SystemExit("error: the update memory probe died; it needs ~8 GB of RAM") from None
     print(f"update memory: naive {naive:.0f} MB vs ours {ours:.0f} MB (4096-token prompt + 256-token action, "
           f"151,936-token vocabulary, forward+backward, peak RSS growth; {ours / naive:.2f} of naive)")
-    report.update(rollout_speedup=speedup, remote_speedup=serial_s / concurrent_s, memory_naive_mb=naive,
-                  memory_ours_mb=ours)
-    return report
 
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
     """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    plt.switch_backend("Agg")  # files only, never a window
     path.parent.mkdir(parents=True, exist_ok=True)
     plt.figure()
     for name, values in series.items():
@@ -2805,8 +2766,7 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
 
 
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> list[list[float]]:
-    """--learning-curve: the toy task for 3 seeds; prints reward per step (a text chart) and, when matplotlib
-    is installed, writes <output_dir>/learning_curve.png."""
+    """--learning-curve: the toy task for 3 seeds; reward per step as a text chart, and learning_curve.png."""
     curves = []
     for seed in seeds:
         t0 = time.perf_counter()
@@ -2821,15 +2781,17 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
              "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
     return curves
 
+
 def plot_run(cfg: Config) -> list[dict]:
     """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir, as a text
-    table on stdout and, when matplotlib is installed, <output_dir>/curve.png."""
+    table, and curve.png."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
     steps = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    shares = {f"{t.split('_')[0]} share": [m["tool_share"][t] for m in steps] for t in sorted(steps[0]["tool_share"])}
     series = {"reward": [m["reward_mean"] for m in steps], "plans parsed": [m["plan_parse_rate"] for m in steps],
-              **{f"{t.split('_')[0]} share": [m["tool_share"][t] for m in steps] for t in sorted(steps[0]["tool_share"])}}
+              **shares}
     print("step  " + "  ".join(f"{k:>16s}" for k in series))
     for i, m in enumerate(steps):
         print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
@@ -2843,21 +2805,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "OMP_NUM_THREADS" not in os.environ and (cfg.learning_curve or pick_device(cfg) == "cpu"):
         # torch's threads spin-wait for each other: one per core stalls whenever anything else runs (README)
         torch.set_num_threads(max(1, torch.get_num_threads() // 2))
-    if cfg.learning_curve:  # always the tiny model on CPU: no GPU check
-        learning_curve(cfg)
-        return 0
-    if cfg.plot:  # reads a finished run's metrics.jsonl: no model
-        plot_run(cfg)
+    if cfg.learning_curve or cfg.plot:  # the tiny model on CPU, or a finished run's metrics.jsonl: no GPU check
+        (learning_curve if cfg.learning_curve else plot_run)(cfg)
         return 0
     device = pick_device(cfg)
     if device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
-        return 2
-    if device == "cpu" and cfg.device == "auto" and cfg.model != "tiny":
-        # No silent fallback: a 1.5B policy on CPU would crawl for hours. Say what to run instead.
-        print(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
-              f"--preset smoke (or force --device cpu)", file=sys.stderr)
-        return 2
+        raise SystemExit("error: --device cuda but no CUDA GPU is visible")
+    if device == "cpu" and cfg.device == "auto" and cfg.model != "tiny":  # no silent fallback: 1.5B on CPU crawls
+        raise SystemExit(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
+                         f"--preset smoke (or force --device cpu)")
     if cfg.preset:
         ensure_sample_data(cfg)
     if cfg.ask:
