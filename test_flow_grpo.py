@@ -915,8 +915,9 @@ def hostile_runs():
     import shutil
     import tempfile
     listener = socket.create_server(("127.0.0.1", 0))  # connect() succeeds on a listening socket
-    share = tempfile.mkdtemp(prefix="flowgrpo-share-")  # what uid 65534 may read: flow_grpo.py, a HOME
-    shutil.copy(ROOT / "flow_grpo.py", share)
+    share = tempfile.mkdtemp(prefix="flowgrpo-share-")  # what uid 65534 may read: our two files and a HOME
+    for name in ("flow_grpo.py", "prepare_data.py"):
+        shutil.copy(ROOT / name, share)
     os.makedirs(f"{share}/home", mode=0o777)
     os.chmod(share, 0o755), os.chmod(f"{share}/home", 0o777)
     users = ["current", "nobody"] if os.geteuid() == 0 else ["current"]
