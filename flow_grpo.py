@@ -448,20 +448,15 @@ def adapter_disabled(model):
 
 # The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
 TINY_CORPUS = """You are the planner of a problem-solving agent. Choose the single best next step. Question: What is
-the value of the expression? Query analysis: the question asks for an exact number; a tool can compute it.
-Available tools: Python_Coder_Tool writes a short Python program, runs it in a sandbox and returns its output.
-Generalist_Solution_Generator_Tool answers a question or sub-task by step-by-step reasoning.
-Wikipedia_RAG_Search_Tool searches English Wikipedia. Web_RAG_Search_Tool reads the web page at a given URL.
-Memory of previous steps: (no steps yet) Step 1: {"tool_name": "Python_Coder_Tool", "sub_goal": "compute the
-product", "command": {"arguments": {"query": "print(37 * 91)"}}, "result": {"stdout": "3367", "error": null}}
-Reply with exactly one JSON object and nothing else. Its fields: "justification" (string), "context" (string),
-"sub_goal" (string), "tool_name" (string), "concise_summary", "required_skills", "relevant_tools",
-"additional_considerations", "analysis", "stop_signal": true, false. Input: query (string, required).
-Limitations: no internet, files or user input. Tips: state the task precisely with all inputs.
-You are the executor. Turn the planner's step into one call of the tool. You are the verifier. Decide whether
-the memory holds enough verified information to answer the question correctly. Answer the question using the
-steps below. Reason briefly, then give only the final answer inside <answer></answer>, e.g. <answer>144</answer>.
-Arithmetic: 37*91=3367, 12^2=144, 2**10=1024, 1/2=0.5, 3.14, -1, 0123456789, (x=5), [1, 2], {25}.
+the value of the expression? Query analysis: the question asks for an exact number; a tool can compute it. Tools:
+Python_Coder_Tool runs a short Python program in a sandbox, Generalist_Solution_Generator_Tool answers a sub-task by
+step-by-step reasoning, Wikipedia_RAG_Search_Tool searches English Wikipedia, Web_RAG_Search_Tool reads a URL.
+Memory of previous steps: Step 1: {"tool_name": "Python_Coder_Tool", "sub_goal": "compute the product", "command":
+{"arguments": {"query": "print(37 * 91)"}}, "result": {"stdout": "3367", "error": null}} Reply with exactly one
+JSON object and nothing else. Its fields: "justification" (string), "context", "sub_goal", "tool_name",
+"concise_summary", "required_skills", "relevant_tools", "additional_considerations", "analysis", "stop_signal":
+true, false. You are the executor, the verifier. Is the memory enough to answer the question correctly? Give only
+the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
 """
 
 
