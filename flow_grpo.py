@@ -308,9 +308,8 @@ def schema_instruction(schema: type[BaseModel]) -> str:
 
 
 class Engine:
-    """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema
-    instruction before and parses after. A greedy engine generates each distinct prompt once (the G
-    trajectories of a question often ask the same)."""
+    """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
+    before, parses after, and when greedy sends each distinct prompt once (a question's G trajectories often agree)."""
 
     max_tokens: int = 512
     requests = failures = 0  # remote requests sent and failed (OpenAIEngine counts them; local ones never fail)
@@ -344,8 +343,8 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
         with slots:
             try:
                 future.set_result(fn(item))
-            except Exception as e:  # fn should not raise; if it does, that call gives None as well
-                future.set_exception(e)
+            except Exception:  # fn should not raise; if it does, that call gives None as well
+                future.set_result(None)
 
     for item, f in zip(items, futures):
         threading.Thread(target=work, args=(item, f), daemon=True).start()
@@ -355,7 +354,7 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
         if pending:
             log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
                 f"(the rest is abandoned at {timeout_s:.0f} s)")
-    return [f.result() if f.done() and f.exception() is None else None for f in futures]
+    return [f.result() if f.done() else None for f in futures]
 
 
 STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a server that refuses one gets the next
@@ -364,21 +363,19 @@ STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a ser
 class OpenAIEngine(Engine):
     """Any OpenAI-compatible chat endpoint: vLLM (`vllm serve MODEL`), llama.cpp's servers, OpenAI itself.
 
-    Structured output: a json_schema response_format first. A refusal (any status whose body names
-    response_format/json_schema/json_object: vLLM 400, FastAPI 422, llama-cpp-python 500) steps the engine
-    down, once for all threads, to json_object, then to the prompt alone (which always carries the schema).
-    Requests run in threads (`workers` at once), retried with backoff on connection errors, 429s and 5xx but
-    not on a timeout. One that fails anyway gives "" (None for a schema) and counts in `failures`: one flaky
-    call must not end a training run. The API key stays inside the client."""
+    Structured output: a json_schema response_format; a refusal (a status whose body names response_format,
+    json_schema or json_object: vLLM 400, FastAPI 422, llama-cpp-python 500) steps the engine down, once for all
+    threads, to json_object, then to the prompt alone (which always carries the schema). Requests run in threads,
+    retried with backoff on connection errors, 429s and 5xx, not on a timeout; one that fails anyway gives ""
+    (None for a schema) and counts in `failures`: one flaky call must not end a training run."""
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
                  phase_timeout_s: float = 300.0, max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16,
                  max_tokens: int = 512, temperature: float = 0.0):
         from openai import OpenAI
 
-        # vLLM started without --api-key accepts any key, so a missing variable is not an error.
-        self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",
-                              timeout=timeout_s, max_retries=0)  # retries are ours: visible and testable
+        self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",  # vLLM takes any key
+                              timeout=timeout_s, max_retries=0)  # the key stays in here; retries are ours
         self.base_url, self.model, self.max_retries, self.backoff_s = base_url, model, max_retries, backoff_s
         self.max_tokens, self.temperature, self.phase_timeout_s = max_tokens, temperature, phase_timeout_s
         self.mode, self.refusal = STRUCTURED_MODES[0], ""  # the structured-output mode, and why it was lowered
@@ -461,10 +458,9 @@ the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 
 
 
 def build_tiny_model(seed: int = 0):
-    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer, built in memory: what the
-    smoke preset and the tests run on. The tokenizer's merges come from TINY_CORPUS, a fixed text, so prompts
-    compress about as with a real tokenizer and editing this file cannot move a test. Outputs are noise; the
-    point is that every code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one."""
+    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer whose merges come from
+    TINY_CORPUS, built in memory for the smoke preset and the tests. Outputs are noise; the point is that every
+    code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -487,9 +483,7 @@ def build_tiny_model(seed: int = 0):
     with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer  # generation_config takes eos and pad from the config
 
 
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
@@ -509,8 +503,7 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
 
 class SchemaMask:
     """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
-    valid under its schema (one llguidance LLMatcher per row); rows without a schema are left free. A row
-    whose JSON is complete may only emit EOS, so it stops like any other row."""
+    valid under its schema (an llguidance LLMatcher per row; rows without a schema are free), then only EOS."""
 
     def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
         self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
@@ -535,18 +528,16 @@ class SchemaMask:
         return scores_BV
 
 
-# Every LocalEngine takes this lock: the adapter switch (on for the planner, off for the fixed roles) is state
-# of the one shared model, so one generation runs at a time.
+# One generation at a time: the adapter switch (on: planner, off: fixed roles) is state of the one shared model.
 _GENERATION_LOCK = threading.Lock()
 
 
 class LocalEngine(Engine):
-    """In-process greedy generation with transformers, on the policy's weights. use_adapter=False (the fixed
-    roles) switches the LoRA adapter off: this IS the frozen base, at no extra memory; True: the trained planner,
-    for --ask and --eval. A schema constrains decoding (SchemaMask), as vLLM does server-side; JSON unfinished at
-    the token limit comes back as "" (invalid), not as a truncated text for the repairing parser to patch up.
-    Tools call the engine from many threads: each call queues its prompts and whichever caller gets the lock
-    serves every queued one in one batched generate (16 threads on CPU: SmolLM2 5-8x faster than in turn)."""
+    """Greedy generation with transformers on the policy's weights: with use_adapter=False (the fixed roles) the
+    LoRA adapter is off, so this IS the frozen base at no extra memory; True: the trained planner (--ask, --eval).
+    A schema constrains decoding (SchemaMask); JSON unfinished at the token limit gives "" (invalid), not a text
+    for the repairing parser to patch up. Tools call from many threads: each call queues its prompts, and whoever
+    gets the lock serves all queued ones in one batch (16 threads on CPU: SmolLM2 5-8x faster than in turn)."""
 
     max_json_chars: int = 256  # cap on every JSON string under a schema: 4 such fields need ~300 tokens
 
