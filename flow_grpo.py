@@ -277,22 +277,13 @@ def log(msg: str) -> None:
 # =====================================================================================================
 # 3. LLM engines: one interface that returns text, or a validated pydantic object
 # =====================================================================================================
-# Every frozen role (query analysis, executor, verifier, final answer, the tools' own LLM calls, the LLM
-# judge) talks to an Engine through one method: generate(prompts, schema=None) -> one result per prompt.
-# With a schema the result is an instance of it, or None when the model's text could not be turned into one.
-# The tolerant parser sits here, first, because every engine needs it.
+# Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM calls, the judge) calls
+# Engine.generate(prompts, schema=None): one result per prompt; with a schema, an instance of it or None.
 
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
-    """Model text -> `schema` instance, or None. Never raises.
-
-    Tries, in order: the text as strict JSON; the first ```json fenced block; the outermost {...} span; and
-    finally json_repair, which mends single quotes, trailing commas, truncation and prose around the JSON.
-    Note: json_repair.loads already RETURNS a Python object - calling json.loads on it again (as the original
-    article did) fails on every input, so every plan looked unparseable.
-        parse_structured('Sure! ```json\\n{"stop_signal": true, "analysis": "ok"}\\n```', Verification)
-        -> Verification(analysis='ok', stop_signal=True)
-    """
+    """Model text -> `schema` instance, or None; never raises. Strict JSON first (the text, its first ```json
+    fence, its outermost {...} span), then json_repair: single quotes, trailing commas, truncation, prose."""
     import json_repair
 
     if isinstance(text, schema):
@@ -313,7 +304,7 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
             pass
     for cand in candidates[1:] + [text[start:] if start >= 0 else text]:
         try:
-            obj = json_repair.loads(cand)
+            obj = json_repair.loads(cand)  # already a Python object: no json.loads after it
             if isinstance(obj, list):  # "[{...}]": a model that wrapped its object in a list
                 obj = next((o for o in obj if isinstance(o, dict)), None)
             if isinstance(obj, dict):
@@ -332,9 +323,8 @@ def schema_instruction(schema: type[BaseModel]) -> str:
 
 
 class Engine:
-    """The interface. Subclasses implement _complete(prompts, max_tokens, schema) -> list[str]; generate() adds
-    the schema instruction to the prompts before and parses the texts after. A greedy engine gives one text per
-    prompt, so it generates each distinct prompt once (the G trajectories of a question often ask the same)."""
+    """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
+    before, parses after, and when greedy sends each distinct prompt once (a question's G trajectories often agree)."""
 
     max_tokens: int = 512
     requests = failures = 0  # remote requests sent and failed (OpenAIEngine counts them; local ones never fail)
@@ -351,30 +341,25 @@ class Engine:
         return [parse_structured(t, schema) for t in texts] if schema else texts
 
     def ask(self, prompt: str, *, schema: Optional[type[BaseModel]] = None, max_tokens: Optional[int] = None) -> Any:
-        """One prompt, one result: the same as generate([prompt])[0]."""
         return self.generate([prompt], schema=schema, max_tokens=max_tokens)[0]
 
     def _complete(self, prompts: list[str], max_tokens: int, schema: Optional[type[BaseModel]]) -> list[str]:
         raise NotImplementedError
 
 
-STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a server that refuses one gets the next
-
-
 def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semaphore, timeout_s: float, what: str,
                    progress_s: float = 30.0) -> list:
-    """[fn(item) for item in items], each in a daemon thread, at most `slots` at once, waited for at most
-    timeout_s in all. A call not done by then is abandoned and gives None: Python cannot kill a thread, but a
-    daemon one never blocks exit. (A ThreadPoolExecutor's workers are joined at exit.) A long wait logs a line
-    every progress_s - a slow server shows up as slow, not as a silent stall - and Ctrl-C interrupts it."""
+    """[fn(item) for item in items] in daemon threads, at most `slots` at once, within timeout_s in all; a call
+    not done by then gives None. Python cannot kill a thread, but a daemon one never blocks exit (a
+    ThreadPoolExecutor's are joined). A long wait logs progress every progress_s: slow, not a silent stall."""
     futures = [concurrent.futures.Future() for _ in items]
 
     def work(item: Any, future: concurrent.futures.Future) -> None:
         with slots:
             try:
                 future.set_result(fn(item))
-            except Exception as e:  # fn should not raise; if it does, that call gives None as well
-                future.set_exception(e)
+            except Exception:  # fn should not raise; if it does, that call gives None as well
+                future.set_result(None)
 
     for item, f in zip(items, futures):
         threading.Thread(target=work, args=(item, f), daemon=True).start()
@@ -384,39 +369,32 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
         if pending:
             log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
                 f"(the rest is abandoned at {timeout_s:.0f} s)")
-    return [f.result() if f.done() and f.exception() is None else None for f in futures]
+    return [f.result() if f.done() else None for f in futures]
+
+
+STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a server that refuses one gets the next
 
 
 class OpenAIEngine(Engine):
-    """Any OpenAI-compatible chat endpoint: vLLM (`vllm serve MODEL`), llama.cpp's servers, or OpenAI itself.
+    """Any OpenAI-compatible chat endpoint: vLLM (`vllm serve MODEL`), llama.cpp's servers, OpenAI itself.
 
-    Structured output (STRUCTURED_MODES, best first): a json_schema response_format, which the server decodes
-    under. A server that refuses it - any status whose body names response_format/json_schema/json_object:
-    vLLM 400, FastAPI 422, llama-cpp-python 500 "Input should be 'text' or 'json_object'" - moves the engine,
-    once for all its threads and at no retry, to json_object with the schema inside (llama.cpp's servers
-    decode under it), then to prompt-only. The schema is in the prompt in every mode (Engine.generate).
-    Robust: each request runs in a daemon thread (at most `workers` at once) with a timeout, retried with
-    backoff on connection errors, 429s and 5xx but not on a timeout (a server silent for timeout_s will not
-    be faster next time); a batch waits at most phase_timeout_s. A request that fails anyway - an error, a
-    timeout, a malformed 200 - gives "" (None for a schema) and is counted in `failures`: one flaky call
-    must not end a training run. The API key stays inside the client.
-    """
+    Structured output: a json_schema response_format; a refusal (a status whose body names response_format,
+    json_schema or json_object: vLLM 400, FastAPI 422, llama-cpp-python 500) steps the engine down, once for all
+    threads, to json_object, then to the prompt alone (which always carries the schema). Requests run in threads,
+    retried with backoff on connection errors, 429s and 5xx, not on a timeout; one that fails anyway gives ""
+    (None for a schema) and counts in `failures`: one flaky call must not end a training run."""
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
                  phase_timeout_s: float = 300.0, max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16,
                  max_tokens: int = 512, temperature: float = 0.0):
         from openai import OpenAI
 
-        # vLLM started without --api-key accepts any key, so a missing variable is not an error.
-        self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",
-                              timeout=timeout_s, max_retries=0)  # retries are ours: visible and testable
+        self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",  # vLLM takes any key
+                              timeout=timeout_s, max_retries=0)  # the key stays in here; retries are ours
         self.base_url, self.model, self.max_retries, self.backoff_s = base_url, model, max_retries, backoff_s
         self.max_tokens, self.temperature, self.phase_timeout_s = max_tokens, temperature, phase_timeout_s
         self.mode, self.refusal = STRUCTURED_MODES[0], ""  # the structured-output mode, and why it was lowered
         self._lock, self._slots, self._logged = threading.Lock(), threading.Semaphore(workers), set()
-
-    def __repr__(self) -> str:  # never show the client (it holds the key)
-        return f"OpenAIEngine(model={self.model!r})"
 
     def _complete(self, prompts, max_tokens, schema):
         texts = run_in_threads(lambda p: self._one(p, max_tokens, schema), prompts, self._slots,
@@ -449,8 +427,9 @@ class OpenAIEngine(Engine):
                             self.mode = STRUCTURED_MODES[STRUCTURED_MODES.index(mode) + 1]
                             self.refusal = f"({mode} refused with HTTP {e.status_code})"
                     continue
-                retry, kind, error = e.status_code in (429, 500, 502, 503, 504), f"HTTP {e.status_code}", e.response.text
-            except openai.APIConnectionError as e:  # APITimeoutError is one too, and is not retried
+                retry, kind = e.status_code in (429, 500, 502, 503, 504), f"HTTP {e.status_code}"
+                error = e.response.text
+            except openai.APIConnectionError as e:  # APITimeoutError is one too: a silent server stays silent
                 retry, kind, error = not isinstance(e, openai.APITimeoutError), type(e).__name__, str(e)
             except Exception as e:  # a 200 that is no chat completion: garbage, HTML, {"choices": []}, ...
                 return self._failed("malformed", f"a malformed reply ({type(e).__name__}: {e})")
@@ -475,58 +454,43 @@ def render_chat(tokenizer, prompt: str) -> str:
 @contextlib.contextmanager
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
-    if hasattr(model, "disable_adapter"):
-        with model.disable_adapter():
-            yield
-    else:
+    with model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext():
         yield
 
 
 # The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
 TINY_CORPUS = """You are the planner of a problem-solving agent. Choose the single best next step. Question: What is
-the value of the expression? Query analysis: the question asks for an exact number; a tool can compute it.
-Available tools: Python_Coder_Tool writes a short Python program, runs it in a sandbox and returns its output.
-Generalist_Solution_Generator_Tool answers a question or sub-task by step-by-step reasoning.
-Wikipedia_RAG_Search_Tool searches English Wikipedia. Web_RAG_Search_Tool reads the web page at a given URL.
-Memory of previous steps: (no steps yet) Step 1: {"tool_name": "Python_Coder_Tool", "sub_goal": "compute the
-product", "command": {"arguments": {"query": "print(37 * 91)"}}, "result": {"stdout": "3367", "error": null}}
-Reply with exactly one JSON object and nothing else. Its fields: "justification" (string), "context" (string),
-"sub_goal" (string), "tool_name" (string), "concise_summary", "required_skills", "relevant_tools",
-"additional_considerations", "analysis", "stop_signal": true, false. Input: query (string, required).
-Limitations: no internet, files or user input. Tips: state the task precisely with all inputs.
-You are the executor. Turn the planner's step into one call of the tool. You are the verifier. Decide whether
-the memory holds enough verified information to answer the question correctly. Answer the question using the
-steps below. Reason briefly, then give only the final answer inside <answer></answer>, e.g. <answer>144</answer>.
-Arithmetic: 37*91=3367, 12^2=144, 2**10=1024, 1/2=0.5, 3.14, -1, 0123456789, (x=5), [1, 2], {25}.
+the value of the expression? Query analysis: the question asks for an exact number; a tool can compute it. Tools:
+Python_Coder_Tool runs a short Python program in a sandbox, Generalist_Solution_Generator_Tool answers a sub-task by
+step-by-step reasoning, Wikipedia_RAG_Search_Tool searches English Wikipedia, Web_RAG_Search_Tool reads a URL.
+Memory of previous steps: Step 1: {"tool_name": "Python_Coder_Tool", "sub_goal": "compute the product", "command":
+{"arguments": {"query": "print(37 * 91)"}}, "result": {"stdout": "3367", "error": null}} Reply with exactly one
+JSON object and nothing else. Its fields: "justification" (string), "context", "sub_goal", "tool_name",
+"concise_summary", "required_skills", "relevant_tools", "additional_considerations", "analysis", "stop_signal":
+true, false. You are the executor, the verifier. Is the memory enough to answer the question correctly? Give only
+the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
 """
-
-# ChatML, the template of Qwen's instruct models, so the tiny model sees prompts shaped like the real one's.
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tiny_model(seed: int = 0):
-    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer built in memory.
-
-    No download: this is what the smoke preset and the tests run on. The tokenizer starts from the 256
-    bytes (so it encodes and decodes any text) and learns its merges from TINY_CORPUS, a fixed text in the
-    agent's vocabulary: prompts then compress about as they would with a real tokenizer, and editing this
-    file's comments cannot change a test or a README figure. Outputs are noise - the point is that every
-    code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one.
-    """
+    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer whose merges come from
+    TINY_CORPUS, built in memory for the smoke preset and the tests. Outputs are noise; the point is that every
+    code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # from the 256 bytes: any text encodes
     core.decoder = decoders.ByteLevel()
     core.train_from_iterator([TINY_CORPUS] * 4, trainer=trainers.BpeTrainer(
         vocab_size=2048, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))  # deterministic: the same text gives the same merges
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=specials[1:])
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.chat_template = (  # ChatML, as Qwen's instruct models: prompts shaped like the real one's
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     config = Qwen2Config(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
@@ -534,9 +498,7 @@ def build_tiny_model(seed: int = 0):
     with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer  # generation_config takes eos and pad from the config
 
 
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
@@ -556,8 +518,7 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
 
 class SchemaMask:
     """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
-    valid under its schema (one llguidance LLMatcher per row); rows without a schema are left free. A row
-    whose JSON is complete may only emit EOS, so it stops like any other row."""
+    valid under its schema (an llguidance LLMatcher per row; rows without a schema are free), then only EOS."""
 
     def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
         self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
@@ -582,28 +543,23 @@ class SchemaMask:
         return scores_BV
 
 
-# One GPU, one generation at a time: every LocalEngine of this process takes this lock, because the
-# adapter switch (on for the planner, off for the fixed roles) is state of the one shared model.
+# One generation at a time: the adapter switch (on: planner, off: fixed roles) is state of the one shared model.
 _GENERATION_LOCK = threading.Lock()
 
 
 class LocalEngine(Engine):
-    """In-process greedy generation with transformers, on the policy's weights.
-
-    use_adapter=False (the fixed roles): the LoRA adapter is switched off, so this IS the frozen base model and
-    costs no extra memory. use_adapter=True: the trained planner, for --ask and --eval.
-    With a schema, decoding is constrained to it (SchemaMask), as vLLM does server-side; an output unfinished
-    at the token limit comes back as "" (invalid), not as a truncated text for the JSON repairer to patch up.
-    Tools call the engine from many threads at once: each call queues its prompts, and whichever thread gets
-    the generation lock next serves EVERY queued prompt in one batched generate. Prompts are left-padded
-    (generation appends on the right, so all rows must END at the same column)."""
+    """Greedy generation with transformers on the policy's weights: with use_adapter=False (the fixed roles) the
+    LoRA adapter is off, so this IS the frozen base at no extra memory; True: the trained planner (--ask, --eval).
+    A schema constrains decoding (SchemaMask); JSON unfinished at the token limit gives "" (invalid), not a text
+    for the repairing parser to patch up. Tools call from many threads: each call queues its prompts, and whoever
+    gets the lock serves all queued ones in one batch (16 threads on CPU: SmolLM2 5-8x faster than in turn)."""
 
     max_json_chars: int = 256  # cap on every JSON string under a schema: 4 such fields need ~300 tokens
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
         self.max_tokens, self.batch_size = max_tokens, batch_size
-        self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []
+        self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._queue_lock = threading.Lock()
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
         self.generate_calls = 0  # batched generate() calls made (the batching test reads it)
@@ -623,44 +579,36 @@ class LocalEngine(Engine):
         return mine.result()
 
     def _serve(self, queued: list) -> None:
-        """Generate for all queued requests, grouped by token limit, and hand each caller its slice.
-        If a batch fails (say, out of memory because of one huge prompt), each request is retried alone, so
-        one caller's problem never becomes another's."""
-        try:
-            for limit in sorted({q[1] for q in queued}):
-                group = [q for q in queued if q[1] == limit]
-                try:
-                    texts = self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]])
-                except Exception:
-                    texts = None
-                for prompts, _, schemas, future in group:
-                    if texts is not None:
-                        future.set_result(texts[:len(prompts)])
-                        texts = texts[len(prompts):]
-                        continue
-                    try:
-                        future.set_result(self._generate(prompts, limit, schemas))
-                    except Exception as e:  # the caller re-raises it in its own thread
-                        future.set_exception(e)
-        finally:  # even on KeyboardInterrupt: no caller may wait forever
-            for *_, future in queued:
-                if not future.done():
-                    future.set_exception(RuntimeError("generation was interrupted"))
+        """One batched generation per token limit. A batch that fails (say, one huge prompt out of memory) is
+        served again call by call, so that one caller's problem never becomes another's."""
+        for limit in sorted({q[1] for q in queued}):
+            group = [q for q in queued if q[1] == limit]
+            try:
+                texts = iter(self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]]))
+                slices = [[next(texts) for _ in q[0]] for q in group]
+            except Exception as e:
+                if len(group) == 1:
+                    group[0][3].set_exception(e)  # its caller re-raises it, in its own thread
+                else:
+                    for q in group:
+                        self._serve([q])
+                continue
+            for (*_, future), mine in zip(group, slices):
+                future.set_result(mine)
 
     def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
-        """Greedy texts for `prompts`; row i decoded under schemas[i] when that is not None."""
+        """Greedy texts for `prompts`, left-padded (all rows must END at the same column: generation appends on
+        the right); row i decoded under schemas[i] when that is not None."""
         schemas = schemas or [None] * len(prompts)
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
 
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
-        gen_cfg = copy.deepcopy(self.model.generation_config)
-        # Greedy: deterministic answers from the fixed roles. Sampling knobs are cleared so none applies.
+        gen_cfg = copy.deepcopy(self.model.generation_config)  # greedy: the model's sampling knobs cleared
         gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
                        pad_token_id=self.tokenizer.pad_token_id)
         outs: list[str] = []
-        switch = contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model)
-        with switch, torch.no_grad():
+        with contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model), torch.no_grad():
             for i in range(0, len(prompts), self.batch_size):
                 chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
@@ -676,7 +624,6 @@ class LocalEngine(Engine):
         return outs
 
 
-# =====================================================================================================
 # 4. Structured outputs: what each role must answer
 # =====================================================================================================
 # The field descriptions are shown to the models (schema_instruction) and, for a remote engine, sent as a
