@@ -584,8 +584,8 @@ class LocalEngine(Engine):
         for limit in sorted({q[1] for q in queued}):
             group = [q for q in queued if q[1] == limit]
             try:
-                texts = iter(self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]]))
-                slices = [[next(texts) for _ in q[0]] for q in group]
+                flat = iter(self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]]))
+                slices = [[next(flat) for _ in q[0]] for q in group]
             except Exception as e:
                 if len(group) == 1:
                     group[0][3].set_exception(e)  # its caller re-raises it, in its own thread
@@ -593,8 +593,8 @@ class LocalEngine(Engine):
                     for q in group:
                         self._serve([q])
                 continue
-            for (*_, future), mine in zip(group, slices):
-                future.set_result(mine)
+            for (*_, future), texts in zip(group, slices):
+                future.set_result(texts)
 
     def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
         """Greedy texts for `prompts`, left-padded (all rows must END at the same column: generation appends on
