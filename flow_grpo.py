@@ -2572,15 +2572,11 @@ def _slow_openai_server(delay_s: float):
 def _update_memory_probe(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
     """(In a fresh process: peak RSS never goes down.) Peak RSS growth in MB of one forward+backward that yields
     an action's log-probs: 'naive' = full-sequence logits and log-softmax, 'ours' = action_logprobs."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     def status_mb(key: str) -> float:  # VmRSS now, VmHWM peak
         return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
 
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                         tie_word_embeddings=True))
+    model = build_tiny_model()[0]
+    model.resize_token_embeddings(vocab, mean_resizing=False)  # a real vocabulary: where the logits cost memory
     prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
     base_mb = status_mb("VmRSS")
