@@ -2630,7 +2630,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
                                  share_prefill=mode == "lockstep", **kw)
         if mode == "lockstep":  # one update on this batch, to show its share of a training step
             rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
-                                                       [i // group for i in range(len(states))]), group)
+                                                       [i // group for i in range(len(states))]))
             with timed(t, "update"):
                 fill_old_and_ref(model, rows, cfg)
                 update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
