@@ -57,8 +57,10 @@ DELIBERATE SIMPLIFICATIONS (and why)
     softmax(logits / T), so the log-probs we store are the behaviour policy's. (generate() silently fills top-k,
     top-p and repetition penalty from the model's hub config; then the stored log-probs would be wrong.)
     At scale you would sample with vLLM and recompute old log-probs (--old-logprobs recompute, the default).
-  * The rule judge (numbers and normalised text) is the default reward; an LLM judge is optional and falls
-    back to the rule whenever it fails.
+  * The rule judge (our answer extraction, exact numbers, normalised text, math-verify for equivalence) is the
+    default reward; an LLM judge is optional and falls back to the rule whenever it fails.
+  * The frozen roles decode under their JSON schema (llguidance in-process, response_format on a server); the
+    planner never does, because its log-probs must be those of the distribution it samples from.
   * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so the ratio pi/pi_old
     would not be 1 before any update and the clip would fire on noise.
   * The executor emits a JSON tool call that we validate against the tool's input schema; model-written code
@@ -1289,7 +1291,7 @@ class WebRAGTool(Tool):
                                    max_tokens=self.max_tokens))
 
 
-# --- Registry (no Google search tool: the original system's needs a proprietary SDK and an API key)
+# --- Registry
 
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
