@@ -212,7 +212,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
         val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
         batch_size=4, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
-        kl_coef=0.0, lr=1e-4, warmup_steps=2, max_steps=40, save_every=10, sft_steps=20, sft_lr=1e-3,
+        kl_coef=0.0, lr=3e-4, warmup_steps=2, max_steps=40, save_every=10, sft_steps=20, sft_lr=1e-3,
         tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu",
     ),
 }
@@ -556,7 +556,7 @@ class LocalEngine(Engine):
     for the repairing parser to patch up. Tools call from many threads: each call queues its prompts, and whoever
     gets the lock serves all queued ones in one batch (16 threads on CPU: SmolLM2 5-8x faster than in turn)."""
 
-    max_json_chars: int = 256  # cap on every JSON string under a schema: 4 such fields need ~300 tokens
+    max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to a third of the token limit
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
@@ -615,7 +615,9 @@ class LocalEngine(Engine):
                 chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                                      add_special_tokens=False).to(self.model.device)
-                mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], self.max_json_chars)
+                # ~3 characters per token: four strings of max_tokens/3 characters and their keys still close.
+                cap = min(self.max_json_chars, max(8, max_tokens // 3))
+                mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
                 ids = self.model.generate(**enc, generation_config=gen_cfg,
                                           logits_processor=[mask] if mask.matchers else None)
                 self.generate_calls += 1
@@ -1101,11 +1103,10 @@ class PythonCoderTool(Tool):
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
 
     def run(self, args: PythonCoderInput) -> dict:
-        prompt = ("Write a short, self-contained Python 3 program that solves the task below.\nRules:\n"
-                  "- Use only the Python standard library.\n- Do not read user input, files or the network.\n"
-                  "- print() the final result with a short label, e.g. print('answer:', x).\n"
-                  "- Put the whole program in ONE block that starts with ```python and ends with ```.\n\n"
-                  f"Task: {args.query}")
+        # Short on purpose: SmolLM2-135M followed this wording (right result for 19/24 arithmetic tasks, bare
+        # expressions included) far better than a list of rules (7/24). The sandbox, not the prompt, keeps it safe.
+        prompt = (f"Write a Python program that prints the answer.\nTask: compute {args.query}\n"
+                  "Reply with the program in one ```python block.")
         code = extract_python_code(str(self.engine.ask(prompt, max_tokens=self.max_tokens)))
         if code is None:
             return {"code": "", "stdout": "", "error": "the model's reply contained no ```python code block"}
@@ -1336,9 +1337,11 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
 
 
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
+    # The question comes last, nearest the reply: SmolLM2-135M then copied the task into the call 24/24 times,
+    # against 18/24 with the tool's description in between (it wrote "Python_Coder_Tool" as the query).
     return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
-            f"tool below; the arguments must follow its input schema.\n\nQuestion: {question}\n"
-            f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\n\nTool:\n{tool.describe()}")
+            f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
+            f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
 
 
 def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
@@ -1348,9 +1351,10 @@ def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
 
 
 def answer_prompt(question: str, memory: Memory) -> str:
-    return (f"Answer the question using the steps below. Reason briefly, then give only the final answer "
-            f"inside <answer></answer>, for example <answer>144</answer>.\n\nQuestion: {question}\n\n"
-            f"Steps taken:\n{memory.to_text()}")
+    # Steps first, then the question and the instruction: with the steps last SmolLM2-135M answered 5 of 24
+    # (it began to list steps of its own), in this order 20 of 24 given a correct tool result.
+    return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
+            f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
 
 
 @dataclass
@@ -1645,8 +1649,8 @@ def extract_answer(text: str) -> str:
     boxed = last_boxed(inner)
     if boxed is not None:
         return boxed.strip()
-    said = [m.end() for m in re.finditer(r"answer(?:\*\*)?\s*(?:is\b|:)", inner, re.I)]
-    if said:  # "The answer is 144. Because ..." -> "144"
+    said = [m.end() for m in re.finditer(r"answer(?:\*\*)?(?: to [^.:\n]{1,60}?)?\s*(?:is\b|:)", inner, re.I)]
+    if said:  # "The answer is 144. Because ..." -> "144"; also "The answer to the question is 144."
         inner = re.split(r"\.\s+(?=[A-Z])", inner[said[-1]:].lstrip(" \t\n*:").split("\n")[0])[0]
     elif not opened:
         inner = inner.strip().rsplit("\n", 1)[-1]
