@@ -211,8 +211,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(
         model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
         val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
-        batch_size=4, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
-        kl_coef=0.0, lr=3e-4, warmup_steps=2, max_steps=40, save_every=10, sft_steps=20, sft_lr=1e-3,
+        batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
+        kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
         tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu",
     ),
 }
