@@ -35,10 +35,10 @@ WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO
   Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
   9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
 
-SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group with no parsed plan
-has no reward variance: nothing to learn from. --sft-steps N first fits the planner, by cross-entropy on action
-tokens (the same action_logprobs, its own AdamW), to format-only plans: a rollout's turn-1 prompt -> a short plan
-whose tool is drawn uniformly. GRPO then starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
+SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group without one has no
+reward variance to learn from. --sft-steps N first fits the planner by cross-entropy on action tokens (the same
+action_logprobs, its own AdamW) to format-only plans whose tool is drawn uniformly; GRPO then starts from that
+adapter (checkpoint-0) and learns WHICH tool from reward.
 
 HOW TO RUN
     python prepare_data.py                          # data/train/combined_train.parquet + data/val/aime24.parquet
@@ -50,23 +50,22 @@ HOW TO RUN
     python -m pytest -q                                # the tests (CPU, offline)
 
 DELIBERATE SIMPLIFICATIONS (and why)
-  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM)
-    run by default on the *frozen base* of the policy (adapter off) in-process, so no server is needed. Point
-    --fixed-base-url at a vLLM/OpenAI server to use a bigger fixed model, as the paper does.
-  * Rollouts use our own sampling loop instead of model.generate() or vLLM: it samples from exactly
-    softmax(logits / T), so the log-probs we store are the behaviour policy's. (generate() silently fills top-k,
-    top-p and repetition penalty from the model's hub config; then the stored log-probs would be wrong.)
-    At scale you would sample with vLLM and recompute old log-probs (--old-logprobs recompute, the default).
-  * The rule judge (our answer extraction, exact numbers, normalised text, math-verify for equivalence) is the
-    default reward; an LLM judge is optional and falls back to the rule whenever it fails.
+  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run
+    on the *frozen base* of the policy (adapter off), in-process: no server needed. --fixed-base-url points them
+    at a vLLM/OpenAI server with a bigger model, as the paper does.
+  * Rollouts use our own sampling loop, not model.generate() or vLLM: it samples exactly softmax(logits / T), so
+    the stored log-probs are the behaviour policy's (generate() silently applies top-k, top-p and repetition
+    penalty from the hub config). At scale, sample with vLLM and use --old-logprobs recompute (the default).
+  * The rule judge (answer extraction, exact numbers, normalised text, math-verify) is the default reward; an
+    LLM judge is optional and falls back to the rule whenever it fails.
   * The frozen roles decode under their JSON schema (llguidance in-process, response_format on a server); the
-    planner never does, because its log-probs must be those of the distribution it samples from.
+    planner never does: its log-probs must be those of the distribution it samples from.
   * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so the ratio pi/pi_old
     would not be 1 before any update and the clip would fire on noise.
-  * The executor emits a JSON tool call that we validate against the tool's input schema; model-written code
-    only ever runs in a sandboxed subprocess (run_python), never in this process.
-  * The Google search tool of the original article needs a proprietary SDK and is left out; Wikipedia and
-    web-page RAG are included, ranked with BM25 (no API key needed).
+  * The executor emits a JSON tool call validated against the tool's input schema; model-written code only
+    ever runs in a sandboxed subprocess (run_python), never in this process.
+  * The original article's Google search tool needs a proprietary SDK and is left out; Wikipedia and web-page
+    RAG are included, ranked with BM25 (no API key needed).
 """
 
 from __future__ import annotations
@@ -155,8 +154,8 @@ class Config:
     val_file: str = arg("data/val/aime24.parquet", "validation parquet for --eval")
     eval_limit: int = arg(0, "evaluate on the first N validation questions only (0 = all)")
     # --- the agent ---
-    tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,Web_RAG_Search_Tool",
-                     "comma-separated tool names (the default: all of them)")
+    tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
+                     "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
     max_turns: int = arg(5, "planner turns per trajectory at most")
     max_new_tokens: int = arg(256, "longest planner action, in tokens")
     fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
@@ -176,7 +175,7 @@ class Config:
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     num_minibatches: int = arg(1, "optimizer steps per pass (the batch is split by trajectory)")
     micro_batch_size: int = arg(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
-    clip_ratio_c: float = arg(3.0, "dual clip (verl, AgentFlow): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
+    clip_ratio_c: float = arg(3.0, "dual clip (verl/AgentFlow): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
     adv_unit: str = arg("trajectory", "advantages over a question's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
     # --- optimisation ---
     lr: float = arg(1e-5, "AdamW learning rate of the LoRA weights")
@@ -224,7 +223,6 @@ def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     """argparse from the Config dataclass: --max-steps, --lr, ... each with its help line.
     Defaults are SUPPRESSed so that parse_args returns only the flags the user typed (they beat presets)."""
@@ -268,7 +266,6 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
         if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
             parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
     return cfg
-
 
 
 def log(msg: str) -> None:
@@ -378,13 +375,11 @@ STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a ser
 
 
 class OpenAIEngine(Engine):
-    """Any OpenAI-compatible chat endpoint: vLLM (`vllm serve MODEL`), llama.cpp's servers, OpenAI itself.
-
-    Structured output: a json_schema response_format; a refusal (a status whose body names response_format,
-    json_schema or json_object: vLLM 400, FastAPI 422, llama-cpp-python 500) steps the engine down, once for all
-    threads, to json_object, then to the prompt alone (which always carries the schema). Requests run in threads,
-    retried with backoff on connection errors, 429s and 5xx, not on a timeout; one that fails anyway gives ""
-    (None for a schema) and counts in `failures`: one flaky call must not end a training run."""
+    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp's servers, OpenAI). Structured output: json_schema;
+    a refusal (an error body naming response_format, json_schema or json_object) steps down once, for all threads,
+    to json_object, then to the prompt alone (which always carries the schema). Requests run in threads, retried
+    with backoff on connection errors, 429 and 5xx (not on a timeout); one that fails anyway gives "" (None for a
+    schema) and counts in `failures`: one flaky call must not end a training run."""
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
                  phase_timeout_s: float = 300.0, max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16,
@@ -899,36 +894,24 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024,
                 "timed_out": False, "returncode": None}
 
 
-# --- Wall-clock timeouts for blocking library calls
-# `wikipedia` calls requests.get() without a timeout: one stalled connection would freeze a rollout. Python cannot
-# kill a thread but can stop WAITING for one: the call runs in a daemon thread, abandoned after timeout_s until its
-# socket returns; a daemon never blocks interpreter exit (ThreadPoolExecutor's workers are joined at exit).
+# --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 
-def submit_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-    """Start fn(*args, **kwargs) in a fresh daemon thread; return a Future for its result."""
+def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), or TimeoutError after timeout_s. Python cannot kill a thread but can stop waiting for
+    one: the call runs in a daemon thread, abandoned until its socket returns (a daemon never blocks exit)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def worker() -> None:
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # delivered to whoever calls future.result()
+        except BaseException as e:  # re-raised by future.result(), in the caller's thread
             future.set_exception(e)
 
-    threading.Thread(target=worker, daemon=True, name=f"tool-call-{getattr(fn, '__name__', 'fn')}").start()
-    return future
-
-
-def wait_result(future: concurrent.futures.Future, timeout_s: float) -> Any:
-    """future.result(timeout_s), a timeout re-raised as TimeoutError with a readable message."""
+    threading.Thread(target=worker, daemon=True).start()
     try:
-        return future.result(timeout=max(0.0, timeout_s))
+        return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"timed out after {float(timeout_s)} s") from None
-
-
-def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs), or TimeoutError after timeout_s of wall-clock time."""
-    return wait_result(submit_in_daemon_thread(fn, *args, **kwargs), timeout_s)
 
 
 def _short_error(e: BaseException, max_chars: int = 300) -> str:
@@ -1121,8 +1104,8 @@ class WikipediaInput(_ToolInput):
 
 
 def _fetch_wikipedia_page(title: str) -> dict:
-    """{"title", "url", "content"} (two requests: run it in a worker thread), or {"title", "error"}. auto_suggest=False:
-    the title is an exact search hit; auto-suggest would search again and may load a different page."""
+    """{"title", "url", "content"}, or {"title", "error"}; never raises. auto_suggest=False: the title is an exact
+    search hit, and auto-suggest would search again and may load a different page."""
     try:
         page = wikipedia.page(title, auto_suggest=False)
         return {"title": page.title, "url": page.url, "content": page.content}
@@ -1131,6 +1114,8 @@ def _fetch_wikipedia_page(title: str) -> dict:
                                          f"{', '.join(e.options[:10]) or '(none listed)'}"}
     except wikipedia.exceptions.PageError:
         return {"title": title, "error": f"no Wikipedia page titled '{title}'"}
+    except Exception as e:  # a network failure
+        return {"title": title, "error": _short_error(e)}
 
 
 class WikipediaTool(Tool):
@@ -1171,32 +1156,27 @@ class WikipediaTool(Tool):
         if not candidates:
             return {"query": query, "error": f"no Wikipedia pages found for '{query}'"}
         titles = self._select_titles(query, candidates)
-        # the pages are fetched in parallel under ONE deadline: at worst ~2 x timeout_s (search, then pages)
-        futures = [submit_in_daemon_thread(_fetch_wikipedia_page, t) for t in titles]
-        deadline = time.monotonic() + self.timeout_s
-        pages, prompts = [], []
-        for title, future in zip(titles, futures):
-            try:
-                page = wait_result(future, deadline - time.monotonic())
-            except Exception as e:  # a timeout or a network failure
-                page = {"title": title, "error": _short_error(e)}
-            pages.append(page)
-            if "content" in page:
-                chunks = chunk_words(page.pop("content"), self.chunk_size, self.chunk_overlap)
-                prompts.append(_grounded_prompt(query, f"the Wikipedia page '{page['title']}'",
-                                                [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)],
-                                                "say so and summarise what relevant information they do contain"))
-        # one batched engine call writes the summaries of all pages that were read (those with a url)
-        summaries = self.engine.generate(prompts, max_tokens=self.max_tokens) if prompts else []
-        for page, summary in zip([p for p in pages if "url" in p], summaries):
+        # all pages in parallel under ONE deadline (at worst ~2 x timeout_s in all: the search, then the pages)
+        pages = run_in_threads(_fetch_wikipedia_page, titles, threading.Semaphore(len(titles)), self.timeout_s,
+                               f"Wikipedia pages for {query!r}")
+        pages = [page or {"title": title, "error": f"timed out after {float(self.timeout_s)} s"}
+                 for title, page in zip(titles, pages)]
+        read = [p for p in pages if "content" in p]
+        prompts = []
+        for page in read:
+            chunks = chunk_words(page.pop("content"), self.chunk_size, self.chunk_overlap)
+            prompts.append(_grounded_prompt(query, f"the Wikipedia page '{page['title']}'",
+                                            [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)],
+                                            "say so and summarise what relevant information they do contain"))
+        # one batched engine call writes the summaries of all pages that were read
+        for page, summary in zip(read, self.engine.generate(prompts, max_tokens=self.max_tokens) if read else []):
             page["summary"] = summary
         return {"query": query, "pages": pages}
 
 
 # --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
-# A tool that fetches model-chosen URLs reaches whatever the host can (localhost services, cloud metadata at
-# 169.254.169.254). Only http(s) is allowed here; a production deployment should also resolve the host and refuse
-# private and loopback addresses (the tests' stand-in servers listen on loopback).
+# A model-chosen URL reaches whatever this host can (localhost, cloud metadata): only http(s) here; production should
+# also refuse private and loopback addresses (the tests' stand-in servers listen on loopback).
 
 class WebRAGInput(_ToolInput):
     query: str = Field(min_length=1, description="The question to answer from the page")
@@ -1206,18 +1186,9 @@ class WebRAGInput(_ToolInput):
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
 
 
-def check_web_url(url: str) -> Optional[str]:
-    """None if the URL may be fetched (http or https, with a host), else the reason it may not."""
-    parts = urllib.parse.urlsplit(url.strip())
-    if parts.scheme.lower() not in ("http", "https"):
-        return f"only http and https URLs can be fetched, got scheme '{parts.scheme}'"
-    return None if parts.hostname else f"URL has no host: '{url}'"
-
-
 def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
-    """GET url, reading at most max_bytes of body: (body, content type). stream=True downloads nothing up front;
-    we pull 64 KB at a time and stop at max_bytes, so a 10 GB file costs 2 MB. requests' timeout bounds each
-    connect and read, not the download, so we also stop at a deadline (callers add call_with_timeout)."""
+    """GET url: (at most max_bytes of body, content type), streamed 64 KB at a time so a 10 GB file costs 2 MB.
+    requests' timeout bounds each connect and read, not the download: we also stop at a deadline."""
     deadline = time.monotonic() + timeout_s
     headers = {"User-Agent": "flow-grpo-web-rag/0.1 (research)"}
     with requests.get(url, timeout=timeout_s, stream=True, headers=headers) as response:
@@ -1262,23 +1233,22 @@ class WebRAGTool(Tool):
     tips = "Use when the task gives a URL or you know the exact page; ask one specific question about that page."
 
     def __init__(self, engine: Engine, *, max_bytes: int = 2_000_000, top_k: int = 4, chunk_size: int = 150,
-                 chunk_overlap: int = 20, embed_client: Any = None, embed_model: Optional[str] = None,
-                 **options: Any):
+                 chunk_overlap: int = 20, embed_client: Any = None, embed_model: Optional[str] = None, **options: Any):
         super().__init__(engine, **options)
         self.max_bytes, self.top_k, self.chunk_size, self.chunk_overlap = max_bytes, top_k, chunk_size, chunk_overlap
         self.embed_client, self.embed_model = embed_client, embed_model  # optional dense retrieval
 
     def rank(self, query: str, chunks: list[str]) -> list[int]:
-        """Embeddings if configured, else BM25. An embeddings outage falls back to BM25: an infrastructure
-        failure should not be charged to the planner."""
+        """Embeddings if configured, else BM25, also when they fail: an outage must not be charged to the planner."""
         if self.embed_client is not None and self.embed_model:
             with contextlib.suppress(Exception):
                 return embedding_top_k(query, chunks, self.top_k, self.embed_client, self.embed_model)
         return bm25_top_k(query, chunks, self.top_k)
 
     def run(self, args: WebRAGInput) -> Any:  # the answer text, or {"error": ...}
-        if problem := check_web_url(args.url):
-            return {"error": problem}
+        parts = urllib.parse.urlsplit(args.url.strip())
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            return {"error": f"only http and https URLs with a host can be fetched, not '{args.url}'"}
         try:
             body, content_type = call_with_timeout(self.timeout_s, fetch_limited, args.url.strip(), self.timeout_s,
                                                    self.max_bytes)
@@ -1299,10 +1269,8 @@ TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, Wikip
 
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None) -> dict[str, Tool]:
-    """Instantiate tools by name, each with the options every tool takes; the embeddings client only matters to the
-    web tool. A misspelled option is a TypeError, as in any Python call."""
-    unknown = [n for n in names if n not in TOOL_CLASSES]
-    if unknown:
+    """Tools by name, each with the options every tool takes (the embeddings only go to the web tool)."""
+    if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     web = {WebRAGTool.name: {"embed_client": embed_client, "embed_model": embed_model}}
     return {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **web.get(n, {})) for n in names}
