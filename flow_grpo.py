@@ -100,8 +100,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-# transformers, peft, openai and pandas are imported inside the functions that use them, so that `--help`
-# and the tests of single pieces start fast; torch and pydantic are used throughout, so they come in here.
+# transformers, peft, openai and pandas are imported where they are used: `--help` and single-piece tests start fast.
 import llguidance
 import requests
 import torch
@@ -205,8 +204,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
         lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
     ),
-    # A real model offline on a 2-core CPU learns to route exact arithmetic to Python. One turn (the tool choice
-    # is the decision); no KL term: the reference is the base, whose plans do not parse - it would undo the SFT.
+    # SmolLM2 offline on 2 CPU cores learns to route arithmetic to Python. One turn: the tool choice is the decision.
+    # No KL: the reference is the base, whose plans do not parse - it would undo the SFT.
     "cpu": dict(
         model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
         val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
@@ -224,10 +223,8 @@ def tool_names(cfg: Config) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """argparse from the Config dataclass: --max-steps, --lr, ... each with its help line.
-    Defaults are SUPPRESSed so that parse_args returns only the flags the user typed (they beat presets)."""
-    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent "
-                                "(the header of flow_grpo.py explains the method).")
+    """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
+    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent (flow_grpo.py's header explains it).")
     for f in dataclasses.fields(Config):
         flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
         helptext = f"{f.metadata['help']} (default: {f.default!r})"
@@ -707,17 +704,13 @@ class Memory:
 # =====================================================================================================
 # 6. Tools
 # =====================================================================================================
-# The planner names a tool and a sub-goal, the executor turns them into JSON arguments, and a tool below does the
-# work. Each tool has two faces: describe(), the contract the planner and the executor read in their prompts (part
-# of what the policy learns, so short, concrete and stable), and run(), which never crashes the rollout: an error
-# becomes a value the verifier and the planner can react to ("timed out", "no page"). The building blocks come
-# first: a sandbox for model-written Python, wall-clock timeouts, retrieval (chunking, BM25, optional embeddings).
+# A tool has two faces: describe(), the contract the planner and the executor read (part of what the policy learns:
+# short, concrete, stable), and run(), which never crashes the rollout: an error becomes a value the planner can
+# react to ("timed out", "no page"). First the building blocks: the sandbox, wall-clock timeouts, retrieval.
 
 
-# -----------------------------------------------------------------------------
-# Sandboxed Python execution
-# -----------------------------------------------------------------------------
-# Untrusted model code runs inside these layers; the first call logs one line naming any this system lacks.
+# --- Sandboxed Python execution: untrusted model code runs inside these layers; the first call logs one line
+# naming any this system lacks.
 #   layer                 | what it stops                                     | how
 #   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
@@ -819,8 +812,7 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 
-def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool,
-                   cgroups: bool) -> dict:
+def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool, cgroups: bool) -> dict:
     out_fd, err_fd, status_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status"))
     made: list[str] = []
     try:
@@ -882,8 +874,7 @@ def sandbox_missing_layers() -> list[str]:
     return [name for name, ok in zip(("namespaces", "cgroup"), _SANDBOX) if not ok]
 
 
-def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024,
-               max_output_chars: int = 8000) -> dict:
+def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
     sandbox_missing_layers()
@@ -919,9 +910,8 @@ def _short_error(e: BaseException, max_chars: int = 300) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
 
-# --- Retrieval: chunking, BM25, embeddings
-# The RAG tools cannot paste whole pages into a prompt: they split the text into overlapping word windows and keep
-# the few most relevant ones. BM25 needs no model and no API key, which is why it is the default.
+# --- Retrieval: a prompt holds a few passages, not a page: overlapping word windows, the best ones kept, ranked by
+# BM25 (the default: no model, no API key) or by embeddings.
 
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
@@ -958,18 +948,14 @@ def bm25_top_k(query: str, chunks: list[str], k: int = 5, k1: float = 1.5, b: fl
     return sorted(range(len(docs)), key=lambda i: (-scores[i], i))[:k]
 
 
-def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str,
-                    batch_size: int = 64) -> list[int]:
-    """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an OpenAI-compatible
-    /v1/embeddings endpoint (client = openai.OpenAI(base_url=..., api_key=...))."""
+def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str, batch_size: int = 64) -> list[int]:
+    """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an openai.OpenAI client."""
     if not chunks or k <= 0:
         return []
-    texts = [query] + list(chunks)
-    vectors: list[list[float]] = []
+    texts, vectors = [query, *chunks], []
     for start in range(0, len(texts), batch_size):  # servers cap the inputs per request
         # "float": the client otherwise asks for base64, which some OpenAI-compatible servers do not implement
-        response = client.embeddings.create(model=model, input=texts[start:start + batch_size],
-                                            encoding_format="float")
+        response = client.embeddings.create(model=model, input=texts[start:start + batch_size], encoding_format="float")
         vectors += [item.embedding for item in sorted(response.data, key=lambda d: d.index)]  # not the list order
     q = vectors[0]
     cosines = [sum(a * b for a, b in zip(q, v)) / (math.hypot(*q) * math.hypot(*v) or 1.0) for v in vectors[1:]]
@@ -988,8 +974,7 @@ def _grounded_prompt(query: str, source: str, passages: list[str], if_unanswered
 
 class Tool:
     """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). Every
-    tool takes the same two options, so make_tools can give them to all: timeout_s limits its work outside the LLM
-    (sandbox, network) in wall-clock time, max_tokens caps its LLM replies (None: the engine's default)."""
+    tool takes timeout_s (wall clock outside the LLM: sandbox, network) and max_tokens (its LLM replies)."""
     name = description = limitations = tips = ""
     input_model: type[BaseModel] = BaseModel
 
