@@ -224,7 +224,7 @@ def tool_names(cfg: Config) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
-    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent (flow_grpo.py's header explains it).")
+    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent (see flow_grpo.py).")
     for f in dataclasses.fields(Config):
         flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
         helptext = f"{f.metadata['help']} (default: {f.default!r})"
