@@ -216,6 +216,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
+CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "turn"),
+           "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
+           "preset": ("", *PRESETS)}
 
 
 def tool_names(cfg: Config) -> list[str]:
@@ -231,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:  # booleans are switches; --no-x turns one off again
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=helptext)
         else:
-            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext, metavar=kind.__name__.upper())
+            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext, choices=CHOICES.get(f.name),
+                           metavar=kind.__name__.upper())
     return p
 
 
@@ -239,15 +243,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
     parser = build_parser()
     typed = vars(parser.parse_args(argv))
-    preset = typed.get("preset", "")
-    if preset and preset not in PRESETS:
-        parser.error(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    cfg = Config(**{**PRESETS.get(preset, {}), **typed})
-    for name, choices in [("agg", AGGREGATIONS), ("adv_scale", ("group", "batch", "none")),
-                          ("judge", ("rule", "llm")), ("old_logprobs", ("recompute", "captured")),
-                          ("device", ("auto", "cuda", "cpu")), ("adv_unit", ("trajectory", "turn"))]:
-        if getattr(cfg, name) not in choices:
-            parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
+    cfg = Config(**{**PRESETS.get(typed.get("preset", ""), {}), **typed})
     modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
     if len(modes) > 1:
         parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve, --plot (got {len(modes)})")
