@@ -283,8 +283,7 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     if not isinstance(text, str) or not text.strip():
         return None
     candidates = [text]
-    fence = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
-    if fence:
+    if fence := re.search(r"```(?:json)?\s*(.*?)```", text, re.S):
         candidates.append(fence.group(1))
     start, end = text.find("{"), text.rfind("}")
     if 0 <= start < end:
@@ -341,9 +340,8 @@ class Engine:
 
 def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semaphore, timeout_s: float, what: str,
                    progress_s: float = 30.0) -> list:
-    """[fn(item) for item in items] in daemon threads, at most `slots` at once, within timeout_s in all; a call
-    not done by then gives None. Python cannot kill a thread, but a daemon one never blocks exit (a
-    ThreadPoolExecutor's are joined). A long wait logs progress every progress_s: slow, not a silent stall."""
+    """[fn(item) for item in items] in daemon threads (a ThreadPoolExecutor's are joined at exit), at most `slots` at
+    once; a call not done within timeout_s in all gives None. A long wait logs progress: slow, not a silent stall."""
     futures = [concurrent.futures.Future() for _ in items]
 
     def work(item: Any, future: concurrent.futures.Future) -> None:
@@ -463,9 +461,8 @@ the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 
 
 
 def build_tiny_model(seed: int = 0):
-    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer whose merges come from
-    TINY_CORPUS, built in memory for the smoke preset and the tests. Outputs are noise; the point is that every
-    code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one."""
+    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
+    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -492,9 +489,8 @@ def build_tiny_model(seed: int = 0):
 
 
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
-    """llguidance's grammar for `schema`: compact JSON, no extra keys, every string and list capped - else a
-    model that never closes a string (a random one, a small one in a loop) never finishes. Caps only shorten,
-    so whatever fits the capped grammar is valid under the schema itself."""
+    """llguidance's grammar for `schema`: compact JSON, no extra keys, strings and lists capped (else a model that
+    never closes a string never finishes); caps only shorten, so what fits is valid under the schema itself."""
     def cap(node: dict) -> dict:  # called on every JSON object of the schema, innermost first
         limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
                  "object": ("additionalProperties", False)}.get(str(node.get("type")))
@@ -538,11 +534,10 @@ _GENERATION_LOCK = threading.Lock()
 
 
 class LocalEngine(Engine):
-    """Greedy generation with transformers on the policy's weights: with use_adapter=False (the fixed roles) the
-    LoRA adapter is off, so this IS the frozen base at no extra memory; True: the trained planner (--ask, --eval).
-    A schema constrains decoding (SchemaMask); JSON unfinished at the token limit gives "" (invalid), not a text
-    for the repairing parser to patch up. Tools call from many threads: each call queues its prompts, and whoever
-    gets the lock serves all queued ones in one batch (16 threads on CPU: SmolLM2 5-8x faster than in turn)."""
+    """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
+    the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
+    JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts and whoever gets the lock
+    serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
 
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to a third of the token limit
 
@@ -569,13 +564,12 @@ class LocalEngine(Engine):
         return mine.result()
 
     def _serve(self, queued: list) -> None:
-        """One batched generation per token limit. A batch that fails (say, one huge prompt out of memory) is
-        served again call by call, so that one caller's problem never becomes another's."""
+        """One batched generation per token limit; a batch that fails (one huge prompt out of memory, say) is served
+        again call by call, so that one caller's problem never becomes another's."""
         for limit in sorted({q[1] for q in queued}):
             group = [q for q in queued if q[1] == limit]
             try:
                 flat = iter(self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]]))
-                slices = [[next(flat) for _ in q[0]] for q in group]
             except Exception as e:
                 if len(group) == 1:
                     group[0][3].set_exception(e)  # its caller re-raises it, in its own thread
@@ -583,16 +577,14 @@ class LocalEngine(Engine):
                     for q in group:
                         self._serve([q])
                 continue
-            for (*_, future), texts in zip(group, slices):
-                future.set_result(texts)
+            for prompts, _, _, future in group:
+                future.set_result([next(flat) for _ in prompts])
 
     def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
-        """Greedy texts for `prompts`, left-padded (all rows must END at the same column: generation appends on
-        the right); row i decoded under schemas[i] when that is not None."""
+        """Greedy texts, row i decoded under schemas[i] if not None; left-padded: generation appends on the right."""
         schemas = schemas or [None] * len(prompts)
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
-
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
         gen_cfg = copy.deepcopy(self.model.generation_config)  # greedy: the model's sampling knobs cleared
         gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
