@@ -608,10 +608,10 @@ class LocalEngine(Engine):
         return outs
 
 
+# =====================================================================================================
 # 4. Structured outputs: what each role must answer
 # =====================================================================================================
-# The field descriptions are shown to the models (schema_instruction) and, for a remote engine, sent as a
-# JSON schema that vLLM/OpenAI enforce while decoding.
+# The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
 
 
 class QueryAnalysis(BaseModel):
@@ -624,8 +624,7 @@ class QueryAnalysis(BaseModel):
 
 class NextStep(BaseModel):
     """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
-    planner is never constrained (its log-probs must be those of the distribution it samples from), and a
-    small model often skips the other fields - a strict schema would only throw its plans away."""
+    planner is never constrained, and a small model often skips the rest - a strict schema would waste its plans."""
     justification: str = Field(default="", description="why this tool is the right next step")
     context: str = Field(default="", description="facts from the question and memory that the tool needs")
     sub_goal: str = Field(description="what this one step must achieve")
@@ -989,8 +988,7 @@ class Tool:
         try:
             args = self.input_model.model_validate(raw_args)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(arguments)'}: {err['msg']}"
-                                 for err in e.errors())
+            problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(arguments)'}: {x['msg']}" for x in e.errors())
             raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
         return self.run(args)
 
@@ -1001,9 +999,8 @@ class _ToolInput(BaseModel):
 
 @functools.cache
 def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
-    """The executor's answer for one tool: tool_name fixed to that tool, arguments = its own input model.
-    LocalEngine decodes under it and a remote server gets it as response_format, so a call can neither name
-    another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
+    """The executor's answer for one tool: tool_name fixed, arguments = its own input model. Decoded under it, a call
+    can neither name another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
     return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
                         tool_name=(Literal[name], Field(description=f'exactly "{name}"')),
                         arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
@@ -1077,8 +1074,7 @@ class WikipediaInput(_ToolInput):
 
 
 def _fetch_wikipedia_page(title: str) -> dict:
-    """{"title", "url", "content"}, or {"title", "error"}; never raises. auto_suggest=False: the title is an exact
-    search hit, and auto-suggest would search again and may load a different page."""
+    """{"title", "url", "content"}, or {"title", "error"}; never raises. No auto_suggest: it may load another page."""
     try:
         page = wikipedia.page(title, auto_suggest=False)
         return {"title": page.title, "url": page.url, "content": page.content}
