@@ -1,12 +1,11 @@
 """
 flow_grpo.py - Flow-GRPO in one file: train the planner of a tool-using agent with a single reward.
 
-THE SYSTEM. A question is answered in turns. At turn t the *planner* (the only model we train: a LoRA
-adapter on an instruct LLM) reads the state s_t = question + query analysis + tool descriptions + memory
-of earlier steps, and writes a plan a_t (JSON: justification, context, sub_goal, tool_name). A frozen
-*executor* turns the plan into a structured tool call, the *tool* runs, its result goes to *memory*, and a
-frozen *verifier* says STOP or CONTINUE. At the end a frozen *generator* writes the final answer and a
-*judge* compares it with the ground truth: one reward R(tau) in {0, 1} for the whole trajectory.
+THE SYSTEM. A question is answered in turns. At turn t the *planner* (the only model we train: a LoRA adapter on an
+instruct LLM) reads the state s_t = question + query analysis + tool descriptions + memory of earlier steps and
+writes a plan a_t (JSON: justification, context, sub_goal, tool_name). A frozen *executor* turns it into a tool call,
+the *tool* runs, its result goes to *memory*, a frozen *verifier* says STOP or CONTINUE. Finally a frozen *generator*
+writes the answer and a *judge* compares it with the ground truth: one reward R(tau) in {0, 1} per trajectory.
 
         question --> [query analysis] --> +--> PLANNER (trained) --> executor --> tool --> memory --+
                                           |                                                         |
@@ -683,9 +682,8 @@ class Memory:
                            "command": json_safe(command, self.max_chars), "result": json_safe(result, self.max_chars)})
 
     def to_text(self) -> str:
-        if not self.steps:
-            return "(no steps yet)"
-        return json.dumps({f"Step {i + 1}": s for i, s in enumerate(self.steps)}, indent=1, ensure_ascii=False)
+        steps = {f"Step {i + 1}": s for i, s in enumerate(self.steps)}
+        return json.dumps(steps, indent=1, ensure_ascii=False) if steps else "(no steps yet)"
 
 
 # =====================================================================================================
@@ -937,8 +935,6 @@ def bm25_top_k(query: str, chunks: list[str], k: int = 5, k1: float = 1.5, b: fl
 
 def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str, batch_size: int = 64) -> list[int]:
     """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an openai.OpenAI client."""
-    if not chunks or k <= 0:
-        return []
     texts, vectors = [query, *chunks], []
     for start in range(0, len(texts), batch_size):  # servers cap the inputs per request
         # "float": the client otherwise asks for base64, which some OpenAI-compatible servers do not implement
@@ -1137,7 +1133,6 @@ class WikipediaTool(Tool):
             prompts.append(_grounded_prompt(query, f"the Wikipedia page '{page['title']}'",
                                             [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)],
                                             "say so and summarise what relevant information they do contain"))
-        # one batched engine call writes the summaries of all pages that were read
         for page, summary in zip(read, self.engine.generate(prompts, max_tokens=self.max_tokens) if read else []):
             page["summary"] = summary
         return {"query": query, "pages": pages}
