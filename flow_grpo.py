@@ -195,7 +195,6 @@ class Config:
     resume: bool = arg(False, "continue from the newest checkpoint in --output-dir")
 
 
-# Presets change defaults; flags given on the command line still win.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(
         model="tiny", device="cpu", train_file="data/sample/train/combined_train.parquet",
@@ -659,8 +658,7 @@ class JudgeVerdict(BaseModel):
 
 
 def json_safe(obj: Any, max_chars: int = 2000) -> Any:
-    """Make a tool result JSON-serialisable and short enough for a prompt: strings are cut, containers
-    are walked, anything else becomes its repr(). json_safe("x" * 10, 6) -> 'xxx...'"""
+    """A tool result made JSON-safe and short: containers walked, other objects repr()'d, strings cut ('xxx...')."""
     if obj is None or isinstance(obj, (bool, int, float)):
         return obj if not (isinstance(obj, float) and not math.isfinite(obj)) else str(obj)
     if isinstance(obj, dict):
@@ -1026,8 +1024,7 @@ class GeneralistTool(Tool):
 # --- Python coder: the LLM writes a program, the sandbox runs it
 
 def extract_python_code(reply: str) -> Optional[str]:
-    """Code of the first ```python block, else of the first bare ``` block, else None: a block tagged with
-    another language (```bash) is never run as Python."""
+    """Code of the first ```python block, else of the first bare ``` block, else None: ```bash never runs."""
     match = (re.search(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", reply, re.DOTALL | re.IGNORECASE)
              or re.search(r"```[ \t]*\n(.*?)```", reply, re.DOTALL))
     return match.group(1) if match else None
