@@ -1,12 +1,11 @@
 """
 flow_grpo.py - Flow-GRPO in one file: train the planner of a tool-using agent with a single reward.
 
-THE SYSTEM. A question is answered in turns. At turn t the *planner* (the only model we train: a LoRA
-adapter on an instruct LLM) reads the state s_t = question + query analysis + tool descriptions + memory
-of earlier steps, and writes a plan a_t (JSON: justification, context, sub_goal, tool_name). A frozen
-*executor* turns the plan into a structured tool call, the *tool* runs, its result goes to *memory*, and a
-frozen *verifier* says STOP or CONTINUE. At the end a frozen *generator* writes the final answer and a
-*judge* compares it with the ground truth: one reward R(tau) in {0, 1} for the whole trajectory.
+THE SYSTEM. A question is answered in turns. At turn t the *planner* (the only model we train: a LoRA adapter on an
+instruct LLM) reads the state s_t = question + query analysis + tool descriptions + memory of earlier steps and
+writes a plan a_t (JSON: justification, context, sub_goal, tool_name). A frozen *executor* turns it into a tool call,
+the *tool* runs, its result goes to *memory*, a frozen *verifier* says STOP or CONTINUE. Finally a frozen *generator*
+writes the answer and a *judge* compares it with the ground truth: one reward R(tau) in {0, 1} per trajectory.
 
         question --> [query analysis] --> +--> PLANNER (trained) --> executor --> tool --> memory --+
                                           |                                                         |
@@ -35,10 +34,10 @@ WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO
   Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
   9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
 
-SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group with no parsed plan
-has no reward variance: nothing to learn from. --sft-steps N first fits the planner, by cross-entropy on action
-tokens (the same action_logprobs, its own AdamW), to format-only plans: a rollout's turn-1 prompt -> a short plan
-whose tool is drawn uniformly. GRPO then starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
+SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group without one has no
+reward variance to learn from. --sft-steps N first fits the planner by cross-entropy on action tokens (the same
+action_logprobs, its own AdamW) to format-only plans whose tool is drawn uniformly; GRPO then starts from that
+adapter (checkpoint-0) and learns WHICH tool from reward.
 
 HOW TO RUN
     python prepare_data.py                          # data/train/combined_train.parquet + data/val/aime24.parquet
@@ -50,23 +49,22 @@ HOW TO RUN
     python -m pytest -q                                # the tests (CPU, offline)
 
 DELIBERATE SIMPLIFICATIONS (and why)
-  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM)
-    run by default on the *frozen base* of the policy (adapter off) in-process, so no server is needed. Point
-    --fixed-base-url at a vLLM/OpenAI server to use a bigger fixed model, as the paper does.
-  * Rollouts use our own sampling loop instead of model.generate() or vLLM: it samples from exactly
-    softmax(logits / T), so the log-probs we store are the behaviour policy's. (generate() silently fills top-k,
-    top-p and repetition penalty from the model's hub config; then the stored log-probs would be wrong.)
-    At scale you would sample with vLLM and recompute old log-probs (--old-logprobs recompute, the default).
-  * The rule judge (our answer extraction, exact numbers, normalised text, math-verify for equivalence) is the
-    default reward; an LLM judge is optional and falls back to the rule whenever it fails.
+  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run
+    on the *frozen base* of the policy (adapter off), in-process: no server needed. --fixed-base-url points them
+    at a vLLM/OpenAI server with a bigger model, as the paper does.
+  * Rollouts use our own sampling loop, not model.generate() or vLLM: it samples exactly softmax(logits / T), so
+    the stored log-probs are the behaviour policy's (generate() silently applies top-k, top-p and repetition
+    penalty from the hub config). At scale, sample with vLLM and use --old-logprobs recompute (the default).
+  * The rule judge (answer extraction, exact numbers, normalised text, math-verify) is the default reward; an
+    LLM judge is optional and falls back to the rule whenever it fails.
   * The frozen roles decode under their JSON schema (llguidance in-process, response_format on a server); the
-    planner never does, because its log-probs must be those of the distribution it samples from.
+    planner never does: its log-probs must be those of the distribution it samples from.
   * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so the ratio pi/pi_old
     would not be 1 before any update and the clip would fire on noise.
-  * The executor emits a JSON tool call that we validate against the tool's input schema; model-written code
-    only ever runs in a sandboxed subprocess (run_python), never in this process.
-  * The Google search tool of the original article needs a proprietary SDK and is left out; Wikipedia and
-    web-page RAG are included, ranked with BM25 (no API key needed).
+  * The executor emits a JSON tool call validated against the tool's input schema; model-written code only
+    ever runs in a sandboxed subprocess (run_python), never in this process.
+  * The original article's Google search tool needs a proprietary SDK and is left out; Wikipedia and web-page
+    RAG are included, ranked with BM25 (no API key needed).
 """
 
 from __future__ import annotations
@@ -101,8 +99,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-# transformers, peft, openai and pandas are imported inside the functions that use them, so that `--help`
-# and the tests of single pieces start fast; torch and pydantic are used throughout, so they come in here.
+# transformers, peft, openai and pandas are imported where they are used: `--help` and single-piece tests start fast.
 import llguidance
 import requests
 import torch
@@ -155,8 +152,8 @@ class Config:
     val_file: str = arg("data/val/aime24.parquet", "validation parquet for --eval")
     eval_limit: int = arg(0, "evaluate on the first N validation questions only (0 = all)")
     # --- the agent ---
-    tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,Web_RAG_Search_Tool",
-                     "comma-separated tool names (the default: all of them)")
+    tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
+                     "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
     max_turns: int = arg(5, "planner turns per trajectory at most")
     max_new_tokens: int = arg(256, "longest planner action, in tokens")
     fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
@@ -176,7 +173,7 @@ class Config:
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     num_minibatches: int = arg(1, "optimizer steps per pass (the batch is split by trajectory)")
     micro_batch_size: int = arg(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
-    clip_ratio_c: float = arg(3.0, "dual clip (verl, AgentFlow): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
+    clip_ratio_c: float = arg(3.0, "dual clip (verl/AgentFlow): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
     adv_unit: str = arg("trajectory", "advantages over a question's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
     # --- optimisation ---
     lr: float = arg(1e-5, "AdamW learning rate of the LoRA weights")
@@ -198,7 +195,6 @@ class Config:
     resume: bool = arg(False, "continue from the newest checkpoint in --output-dir")
 
 
-# Presets change defaults; flags given on the command line still win.
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(
         model="tiny", device="cpu", train_file="data/sample/train/combined_train.parquet",
@@ -206,8 +202,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
         lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
     ),
-    # A real model offline on a 2-core CPU learns to route exact arithmetic to Python. One turn (the tool choice
-    # is the decision); no KL term: the reference is the base, whose plans do not parse - it would undo the SFT.
+    # SmolLM2 offline on 2 CPU cores learns to route arithmetic to Python. One turn: the tool choice is the decision.
+    # No KL: the reference is the base, whose plans do not parse - it would undo the SFT.
     "cpu": dict(
         model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
         val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
@@ -218,25 +214,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
+CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "turn"),
+           "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
+           "preset": ("", *PRESETS)}
 
 
 def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
 
 
-
 def build_parser() -> argparse.ArgumentParser:
-    """argparse from the Config dataclass: --max-steps, --lr, ... each with its help line.
-    Defaults are SUPPRESSed so that parse_args returns only the flags the user typed (they beat presets)."""
-    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent "
-                                "(the header of flow_grpo.py explains the method).")
+    """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
+    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent (see flow_grpo.py).")
     for f in dataclasses.fields(Config):
         flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
         helptext = f"{f.metadata['help']} (default: {f.default!r})"
         if kind is bool:  # booleans are switches; --no-x turns one off again
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=helptext)
         else:
-            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext, metavar=kind.__name__.upper())
+            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext, choices=CHOICES.get(f.name),
+                           metavar=kind.__name__.upper())
     return p
 
 
@@ -244,15 +241,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
     parser = build_parser()
     typed = vars(parser.parse_args(argv))
-    preset = typed.get("preset", "")
-    if preset and preset not in PRESETS:
-        parser.error(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    cfg = Config(**{**PRESETS.get(preset, {}), **typed})
-    for name, choices in [("agg", AGGREGATIONS), ("adv_scale", ("group", "batch", "none")),
-                          ("judge", ("rule", "llm")), ("old_logprobs", ("recompute", "captured")),
-                          ("device", ("auto", "cuda", "cpu")), ("adv_unit", ("trajectory", "turn"))]:
-        if getattr(cfg, name) not in choices:
-            parser.error(f"--{name.replace('_', '-')} must be one of {list(choices)}, not {getattr(cfg, name)!r}")
+    cfg = Config(**{**PRESETS.get(typed.get("preset", ""), {}), **typed})
     modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
     if len(modes) > 1:
         parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve, --plot (got {len(modes)})")
@@ -268,7 +257,6 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
         if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
             parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
     return cfg
-
 
 
 def log(msg: str) -> None:
@@ -293,8 +281,7 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     if not isinstance(text, str) or not text.strip():
         return None
     candidates = [text]
-    fence = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
-    if fence:
+    if fence := re.search(r"```(?:json)?\s*(.*?)```", text, re.S):
         candidates.append(fence.group(1))
     start, end = text.find("{"), text.rfind("}")
     if 0 <= start < end:
@@ -351,9 +338,8 @@ class Engine:
 
 def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semaphore, timeout_s: float, what: str,
                    progress_s: float = 30.0) -> list:
-    """[fn(item) for item in items] in daemon threads, at most `slots` at once, within timeout_s in all; a call
-    not done by then gives None. Python cannot kill a thread, but a daemon one never blocks exit (a
-    ThreadPoolExecutor's are joined). A long wait logs progress every progress_s: slow, not a silent stall."""
+    """[fn(item) for item in items] in daemon threads (a ThreadPoolExecutor's are joined at exit), at most `slots` at
+    once; a call not done within timeout_s in all gives None. A long wait logs progress: slow, not a silent stall."""
     futures = [concurrent.futures.Future() for _ in items]
 
     def work(item: Any, future: concurrent.futures.Future) -> None:
@@ -378,13 +364,11 @@ STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a ser
 
 
 class OpenAIEngine(Engine):
-    """Any OpenAI-compatible chat endpoint: vLLM (`vllm serve MODEL`), llama.cpp's servers, OpenAI itself.
-
-    Structured output: a json_schema response_format; a refusal (a status whose body names response_format,
-    json_schema or json_object: vLLM 400, FastAPI 422, llama-cpp-python 500) steps the engine down, once for all
-    threads, to json_object, then to the prompt alone (which always carries the schema). Requests run in threads,
-    retried with backoff on connection errors, 429s and 5xx, not on a timeout; one that fails anyway gives ""
-    (None for a schema) and counts in `failures`: one flaky call must not end a training run."""
+    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp's servers, OpenAI). Structured output: json_schema;
+    a refusal (an error body naming response_format, json_schema or json_object) steps down once, for all threads,
+    to json_object, then to the prompt alone (which always carries the schema). Requests run in threads, retried
+    with backoff on connection errors, 429 and 5xx (not on a timeout); one that fails anyway gives "" (None for a
+    schema) and counts in `failures`: one flaky call must not end a training run."""
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
                  phase_timeout_s: float = 300.0, max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16,
@@ -475,9 +459,8 @@ the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 
 
 
 def build_tiny_model(seed: int = 0):
-    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a byte-level BPE tokenizer whose merges come from
-    TINY_CORPUS, built in memory for the smoke preset and the tests. Outputs are noise; the point is that every
-    code path (chat template, padding, EOS, KV cache, LoRA, checkpoints) is the real one."""
+    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
+    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -504,9 +487,8 @@ def build_tiny_model(seed: int = 0):
 
 
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
-    """llguidance's grammar for `schema`: compact JSON, no extra keys, every string and list capped - else a
-    model that never closes a string (a random one, a small one in a loop) never finishes. Caps only shorten,
-    so whatever fits the capped grammar is valid under the schema itself."""
+    """llguidance's grammar for `schema`: compact JSON, no extra keys, strings and lists capped (else a model that
+    never closes a string never finishes); caps only shorten, so what fits is valid under the schema itself."""
     def cap(node: dict) -> dict:  # called on every JSON object of the schema, innermost first
         limit = {"string": ("maxLength", max_chars), "array": ("maxItems", 8),
                  "object": ("additionalProperties", False)}.get(str(node.get("type")))
@@ -550,11 +532,10 @@ _GENERATION_LOCK = threading.Lock()
 
 
 class LocalEngine(Engine):
-    """Greedy generation with transformers on the policy's weights: with use_adapter=False (the fixed roles) the
-    LoRA adapter is off, so this IS the frozen base at no extra memory; True: the trained planner (--ask, --eval).
-    A schema constrains decoding (SchemaMask); JSON unfinished at the token limit gives "" (invalid), not a text
-    for the repairing parser to patch up. Tools call from many threads: each call queues its prompts, and whoever
-    gets the lock serves all queued ones in one batch (16 threads on CPU: SmolLM2 5-8x faster than in turn)."""
+    """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
+    the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
+    JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts and whoever gets the lock
+    serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
 
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to a third of the token limit
 
@@ -581,13 +562,12 @@ class LocalEngine(Engine):
         return mine.result()
 
     def _serve(self, queued: list) -> None:
-        """One batched generation per token limit. A batch that fails (say, one huge prompt out of memory) is
-        served again call by call, so that one caller's problem never becomes another's."""
+        """One batched generation per token limit; a batch that fails (one huge prompt out of memory, say) is served
+        again call by call, so that one caller's problem never becomes another's."""
         for limit in sorted({q[1] for q in queued}):
             group = [q for q in queued if q[1] == limit]
             try:
                 flat = iter(self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]]))
-                slices = [[next(flat) for _ in q[0]] for q in group]
             except Exception as e:
                 if len(group) == 1:
                     group[0][3].set_exception(e)  # its caller re-raises it, in its own thread
@@ -595,16 +575,14 @@ class LocalEngine(Engine):
                     for q in group:
                         self._serve([q])
                 continue
-            for (*_, future), texts in zip(group, slices):
-                future.set_result(texts)
+            for prompts, _, _, future in group:
+                future.set_result([next(flat) for _ in prompts])
 
     def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
-        """Greedy texts for `prompts`, left-padded (all rows must END at the same column: generation appends on
-        the right); row i decoded under schemas[i] when that is not None."""
+        """Greedy texts, row i decoded under schemas[i] if not None; left-padded: generation appends on the right."""
         schemas = schemas or [None] * len(prompts)
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
-
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
         gen_cfg = copy.deepcopy(self.model.generation_config)  # greedy: the model's sampling knobs cleared
         gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
@@ -628,10 +606,10 @@ class LocalEngine(Engine):
         return outs
 
 
+# =====================================================================================================
 # 4. Structured outputs: what each role must answer
 # =====================================================================================================
-# The field descriptions are shown to the models (schema_instruction) and, for a remote engine, sent as a
-# JSON schema that vLLM/OpenAI enforce while decoding.
+# The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
 
 
 class QueryAnalysis(BaseModel):
@@ -644,8 +622,7 @@ class QueryAnalysis(BaseModel):
 
 class NextStep(BaseModel):
     """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
-    planner is never constrained (its log-probs must be those of the distribution it samples from), and a
-    small model often skips the other fields - a strict schema would only throw its plans away."""
+    planner is never constrained, and a small model often skips the rest - a strict schema would waste its plans."""
     justification: str = Field(default="", description="why this tool is the right next step")
     context: str = Field(default="", description="facts from the question and memory that the tool needs")
     sub_goal: str = Field(description="what this one step must achieve")
@@ -681,8 +658,7 @@ class JudgeVerdict(BaseModel):
 
 
 def json_safe(obj: Any, max_chars: int = 2000) -> Any:
-    """Make a tool result JSON-serialisable and short enough for a prompt: strings are cut, containers
-    are walked, anything else becomes its repr(). json_safe("x" * 10, 6) -> 'xxx...'"""
+    """A tool result made JSON-safe and short: containers walked, other objects repr()'d, strings cut ('xxx...')."""
     if obj is None or isinstance(obj, (bool, int, float)):
         return obj if not (isinstance(obj, float) and not math.isfinite(obj)) else str(obj)
     if isinstance(obj, dict):
@@ -704,25 +680,20 @@ class Memory:
                            "command": json_safe(command, self.max_chars), "result": json_safe(result, self.max_chars)})
 
     def to_text(self) -> str:
-        if not self.steps:
-            return "(no steps yet)"
-        return json.dumps({f"Step {i + 1}": s for i, s in enumerate(self.steps)}, indent=1, ensure_ascii=False)
+        steps = {f"Step {i + 1}": s for i, s in enumerate(self.steps)}
+        return json.dumps(steps, indent=1, ensure_ascii=False) if steps else "(no steps yet)"
 
 
 # =====================================================================================================
 # 6. Tools
 # =====================================================================================================
-# The planner names a tool and a sub-goal, the executor turns them into JSON arguments, and a tool below does the
-# work. Each tool has two faces: describe(), the contract the planner and the executor read in their prompts (part
-# of what the policy learns, so short, concrete and stable), and run(), which never crashes the rollout: an error
-# becomes a value the verifier and the planner can react to ("timed out", "no page"). The building blocks come
-# first: a sandbox for model-written Python, wall-clock timeouts, retrieval (chunking, BM25, optional embeddings).
+# A tool has two faces: describe(), the contract the planner and the executor read (part of what the policy learns:
+# short, concrete, stable), and run(), which never crashes the rollout: an error becomes a value the planner can
+# react to ("timed out", "no page"). First the building blocks: the sandbox, wall-clock timeouts, retrieval.
 
 
-# -----------------------------------------------------------------------------
-# Sandboxed Python execution
-# -----------------------------------------------------------------------------
-# Untrusted model code runs inside these layers; the first call logs one line naming any this system lacks.
+# --- Sandboxed Python execution: untrusted model code runs inside these layers; the first call logs one line
+# naming any this system lacks.
 #   layer                 | what it stops                                     | how
 #   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
@@ -824,8 +795,7 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 
-def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool,
-                   cgroups: bool) -> dict:
+def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool, cgroups: bool) -> dict:
     out_fd, err_fd, status_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status"))
     made: list[str] = []
     try:
@@ -887,8 +857,7 @@ def sandbox_missing_layers() -> list[str]:
     return [name for name, ok in zip(("namespaces", "cgroup"), _SANDBOX) if not ok]
 
 
-def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024,
-               max_output_chars: int = 8000) -> dict:
+def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
     sandbox_missing_layers()
@@ -899,36 +868,24 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024,
                 "timed_out": False, "returncode": None}
 
 
-# --- Wall-clock timeouts for blocking library calls
-# `wikipedia` calls requests.get() without a timeout: one stalled connection would freeze a rollout. Python cannot
-# kill a thread but can stop WAITING for one: the call runs in a daemon thread, abandoned after timeout_s until its
-# socket returns; a daemon never blocks interpreter exit (ThreadPoolExecutor's workers are joined at exit).
+# --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 
-def submit_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-    """Start fn(*args, **kwargs) in a fresh daemon thread; return a Future for its result."""
+def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), or TimeoutError after timeout_s. Python cannot kill a thread but can stop waiting for
+    one: the call runs in a daemon thread, abandoned until its socket returns (a daemon never blocks exit)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def worker() -> None:
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # delivered to whoever calls future.result()
+        except BaseException as e:  # re-raised by future.result(), in the caller's thread
             future.set_exception(e)
 
-    threading.Thread(target=worker, daemon=True, name=f"tool-call-{getattr(fn, '__name__', 'fn')}").start()
-    return future
-
-
-def wait_result(future: concurrent.futures.Future, timeout_s: float) -> Any:
-    """future.result(timeout_s), a timeout re-raised as TimeoutError with a readable message."""
+    threading.Thread(target=worker, daemon=True).start()
     try:
-        return future.result(timeout=max(0.0, timeout_s))
+        return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"timed out after {float(timeout_s)} s") from None
-
-
-def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs), or TimeoutError after timeout_s of wall-clock time."""
-    return wait_result(submit_in_daemon_thread(fn, *args, **kwargs), timeout_s)
 
 
 def _short_error(e: BaseException, max_chars: int = 300) -> str:
@@ -936,9 +893,8 @@ def _short_error(e: BaseException, max_chars: int = 300) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
 
-# --- Retrieval: chunking, BM25, embeddings
-# The RAG tools cannot paste whole pages into a prompt: they split the text into overlapping word windows and keep
-# the few most relevant ones. BM25 needs no model and no API key, which is why it is the default.
+# --- Retrieval: a prompt holds a few passages, not a page: overlapping word windows, the best ones kept, ranked by
+# BM25 (the default: no model, no API key) or by embeddings.
 
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
@@ -975,18 +931,12 @@ def bm25_top_k(query: str, chunks: list[str], k: int = 5, k1: float = 1.5, b: fl
     return sorted(range(len(docs)), key=lambda i: (-scores[i], i))[:k]
 
 
-def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str,
-                    batch_size: int = 64) -> list[int]:
-    """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an OpenAI-compatible
-    /v1/embeddings endpoint (client = openai.OpenAI(base_url=..., api_key=...))."""
-    if not chunks or k <= 0:
-        return []
-    texts = [query] + list(chunks)
-    vectors: list[list[float]] = []
+def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str, batch_size: int = 64) -> list[int]:
+    """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an openai.OpenAI client."""
+    texts, vectors = [query, *chunks], []
     for start in range(0, len(texts), batch_size):  # servers cap the inputs per request
         # "float": the client otherwise asks for base64, which some OpenAI-compatible servers do not implement
-        response = client.embeddings.create(model=model, input=texts[start:start + batch_size],
-                                            encoding_format="float")
+        response = client.embeddings.create(model=model, input=texts[start:start + batch_size], encoding_format="float")
         vectors += [item.embedding for item in sorted(response.data, key=lambda d: d.index)]  # not the list order
     q = vectors[0]
     cosines = [sum(a * b for a, b in zip(q, v)) / (math.hypot(*q) * math.hypot(*v) or 1.0) for v in vectors[1:]]
@@ -1005,8 +955,7 @@ def _grounded_prompt(query: str, source: str, passages: list[str], if_unanswered
 
 class Tool:
     """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). Every
-    tool takes the same two options, so make_tools can give them to all: timeout_s limits its work outside the LLM
-    (sandbox, network) in wall-clock time, max_tokens caps its LLM replies (None: the engine's default)."""
+    tool takes timeout_s (wall clock outside the LLM: sandbox, network) and max_tokens (its LLM replies)."""
     name = description = limitations = tips = ""
     input_model: type[BaseModel] = BaseModel
 
@@ -1033,8 +982,7 @@ class Tool:
         try:
             args = self.input_model.model_validate(raw_args)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(arguments)'}: {err['msg']}"
-                                 for err in e.errors())
+            problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(arguments)'}: {x['msg']}" for x in e.errors())
             raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
         return self.run(args)
 
@@ -1045,9 +993,8 @@ class _ToolInput(BaseModel):
 
 @functools.cache
 def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
-    """The executor's answer for one tool: tool_name fixed to that tool, arguments = its own input model.
-    LocalEngine decodes under it and a remote server gets it as response_format, so a call can neither name
-    another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
+    """The executor's answer for one tool: tool_name fixed, arguments = its own input model. Decoded under it, a call
+    can neither name another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
     return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
                         tool_name=(Literal[name], Field(description=f'exactly "{name}"')),
                         arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
@@ -1077,8 +1024,7 @@ class GeneralistTool(Tool):
 # --- Python coder: the LLM writes a program, the sandbox runs it
 
 def extract_python_code(reply: str) -> Optional[str]:
-    """Code of the first ```python block, else of the first bare ``` block, else None: a block tagged with
-    another language (```bash) is never run as Python."""
+    """Code of the first ```python block, else of the first bare ``` block, else None: ```bash never runs."""
     match = (re.search(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", reply, re.DOTALL | re.IGNORECASE)
              or re.search(r"```[ \t]*\n(.*?)```", reply, re.DOTALL))
     return match.group(1) if match else None
@@ -1121,8 +1067,7 @@ class WikipediaInput(_ToolInput):
 
 
 def _fetch_wikipedia_page(title: str) -> dict:
-    """{"title", "url", "content"} (two requests: run it in a worker thread), or {"title", "error"}. auto_suggest=False:
-    the title is an exact search hit; auto-suggest would search again and may load a different page."""
+    """{"title", "url", "content"}, or {"title", "error"}; never raises. No auto_suggest: it may load another page."""
     try:
         page = wikipedia.page(title, auto_suggest=False)
         return {"title": page.title, "url": page.url, "content": page.content}
@@ -1131,6 +1076,8 @@ def _fetch_wikipedia_page(title: str) -> dict:
                                          f"{', '.join(e.options[:10]) or '(none listed)'}"}
     except wikipedia.exceptions.PageError:
         return {"title": title, "error": f"no Wikipedia page titled '{title}'"}
+    except Exception as e:  # a network failure
+        return {"title": title, "error": _short_error(e)}
 
 
 class WikipediaTool(Tool):
@@ -1171,32 +1118,26 @@ class WikipediaTool(Tool):
         if not candidates:
             return {"query": query, "error": f"no Wikipedia pages found for '{query}'"}
         titles = self._select_titles(query, candidates)
-        # the pages are fetched in parallel under ONE deadline: at worst ~2 x timeout_s (search, then pages)
-        futures = [submit_in_daemon_thread(_fetch_wikipedia_page, t) for t in titles]
-        deadline = time.monotonic() + self.timeout_s
-        pages, prompts = [], []
-        for title, future in zip(titles, futures):
-            try:
-                page = wait_result(future, deadline - time.monotonic())
-            except Exception as e:  # a timeout or a network failure
-                page = {"title": title, "error": _short_error(e)}
-            pages.append(page)
-            if "content" in page:
-                chunks = chunk_words(page.pop("content"), self.chunk_size, self.chunk_overlap)
-                prompts.append(_grounded_prompt(query, f"the Wikipedia page '{page['title']}'",
-                                                [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)],
-                                                "say so and summarise what relevant information they do contain"))
-        # one batched engine call writes the summaries of all pages that were read (those with a url)
-        summaries = self.engine.generate(prompts, max_tokens=self.max_tokens) if prompts else []
-        for page, summary in zip([p for p in pages if "url" in p], summaries):
+        # all pages in parallel under ONE deadline (at worst ~2 x timeout_s in all: the search, then the pages)
+        pages = run_in_threads(_fetch_wikipedia_page, titles, threading.Semaphore(len(titles)), self.timeout_s,
+                               f"Wikipedia pages for {query!r}")
+        pages = [page or {"title": title, "error": f"timed out after {float(self.timeout_s)} s"}
+                 for title, page in zip(titles, pages)]
+        read = [p for p in pages if "content" in p]
+        prompts = []
+        for page in read:
+            chunks = chunk_words(page.pop("content"), self.chunk_size, self.chunk_overlap)
+            prompts.append(_grounded_prompt(query, f"the Wikipedia page '{page['title']}'",
+                                            [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)],
+                                            "say so and summarise what relevant information they do contain"))
+        for page, summary in zip(read, self.engine.generate(prompts, max_tokens=self.max_tokens) if read else []):
             page["summary"] = summary
         return {"query": query, "pages": pages}
 
 
 # --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
-# A tool that fetches model-chosen URLs reaches whatever the host can (localhost services, cloud metadata at
-# 169.254.169.254). Only http(s) is allowed here; a production deployment should also resolve the host and refuse
-# private and loopback addresses (the tests' stand-in servers listen on loopback).
+# A model-chosen URL reaches whatever this host can (localhost, cloud metadata): only http(s) here; production should
+# also refuse private and loopback addresses (the tests' stand-in servers listen on loopback).
 
 class WebRAGInput(_ToolInput):
     query: str = Field(min_length=1, description="The question to answer from the page")
@@ -1206,18 +1147,9 @@ class WebRAGInput(_ToolInput):
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
 
 
-def check_web_url(url: str) -> Optional[str]:
-    """None if the URL may be fetched (http or https, with a host), else the reason it may not."""
-    parts = urllib.parse.urlsplit(url.strip())
-    if parts.scheme.lower() not in ("http", "https"):
-        return f"only http and https URLs can be fetched, got scheme '{parts.scheme}'"
-    return None if parts.hostname else f"URL has no host: '{url}'"
-
-
 def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
-    """GET url, reading at most max_bytes of body: (body, content type). stream=True downloads nothing up front;
-    we pull 64 KB at a time and stop at max_bytes, so a 10 GB file costs 2 MB. requests' timeout bounds each
-    connect and read, not the download, so we also stop at a deadline (callers add call_with_timeout)."""
+    """GET url: (at most max_bytes of body, content type), streamed 64 KB at a time so a 10 GB file costs 2 MB.
+    requests' timeout bounds each connect and read, not the download: we also stop at a deadline."""
     deadline = time.monotonic() + timeout_s
     headers = {"User-Agent": "flow-grpo-web-rag/0.1 (research)"}
     with requests.get(url, timeout=timeout_s, stream=True, headers=headers) as response:
@@ -1262,23 +1194,22 @@ class WebRAGTool(Tool):
     tips = "Use when the task gives a URL or you know the exact page; ask one specific question about that page."
 
     def __init__(self, engine: Engine, *, max_bytes: int = 2_000_000, top_k: int = 4, chunk_size: int = 150,
-                 chunk_overlap: int = 20, embed_client: Any = None, embed_model: Optional[str] = None,
-                 **options: Any):
+                 chunk_overlap: int = 20, embed_client: Any = None, embed_model: Optional[str] = None, **options: Any):
         super().__init__(engine, **options)
         self.max_bytes, self.top_k, self.chunk_size, self.chunk_overlap = max_bytes, top_k, chunk_size, chunk_overlap
         self.embed_client, self.embed_model = embed_client, embed_model  # optional dense retrieval
 
     def rank(self, query: str, chunks: list[str]) -> list[int]:
-        """Embeddings if configured, else BM25. An embeddings outage falls back to BM25: an infrastructure
-        failure should not be charged to the planner."""
+        """Embeddings if configured, else BM25, also when they fail: an outage must not be charged to the planner."""
         if self.embed_client is not None and self.embed_model:
             with contextlib.suppress(Exception):
                 return embedding_top_k(query, chunks, self.top_k, self.embed_client, self.embed_model)
         return bm25_top_k(query, chunks, self.top_k)
 
     def run(self, args: WebRAGInput) -> Any:  # the answer text, or {"error": ...}
-        if problem := check_web_url(args.url):
-            return {"error": problem}
+        parts = urllib.parse.urlsplit(args.url.strip())
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            return {"error": f"only http and https URLs with a host can be fetched, not '{args.url}'"}
         try:
             body, content_type = call_with_timeout(self.timeout_s, fetch_limited, args.url.strip(), self.timeout_s,
                                                    self.max_bytes)
@@ -1299,10 +1230,8 @@ TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, Wikip
 
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None) -> dict[str, Tool]:
-    """Instantiate tools by name, each with the options every tool takes; the embeddings client only matters to the
-    web tool. A misspelled option is a TypeError, as in any Python call."""
-    unknown = [n for n in names if n not in TOOL_CLASSES]
-    if unknown:
+    """Tools by name, each with the options every tool takes (the embeddings only go to the web tool)."""
+    if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     web = {WebRAGTool.name: {"embed_client": embed_client, "embed_model": embed_model}}
     return {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **web.get(n, {})) for n in names}
