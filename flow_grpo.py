@@ -2552,72 +2552,10 @@ def ask(cfg: Config, device: str) -> AgentState:
     return st
 
 
-def _slow_openai_server(delay_s: float):
-    """A 127.0.0.1 stand-in for an OpenAI-compatible server that answers every request after delay_s, as a
-    remote model would. Returns (base_url, server); server.shutdown() stops it."""
-    import http.server
-
-    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}).encode()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            time.sleep(delay_s)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)  # HTTP/1.0: the connection closes after it, so no Content-Length is needed
-
-        log_message = lambda self, *args: None  # keep the benchmark's output clean
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/v1", server
-
-
-def _update_memory_probe(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
-    """(In a fresh process: peak RSS never goes down.) Peak RSS growth in MB of one forward+backward that yields
-    an action's log-probs: 'naive' = full-sequence logits and log-softmax, 'ours' = action_logprobs."""
-    def status_mb(key: str) -> float:  # VmRSS now, VmHWM peak
-        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
-
-    model = build_tiny_model()[0]
-    model.resize_token_embeddings(vocab, mean_resizing=False)  # a real vocabulary: where the logits cost memory
-    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
-    base_mb = status_mb("VmRSS")
-    if mode == "naive":
-        logp_PV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
-        logp = logp_PV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
-    else:
-        logp = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
-    logp.sum().backward()
-    return status_mb("VmHWM") - base_mb
-
-
-def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
-    """Useful tokens/s (actions up to their first stop token) of sample_actions and of transformers' generate()
-    under the same law (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
-    stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
-    model.eval()  # the update before left it in training mode
-    t0 = time.perf_counter()
-    sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
-    t1 = time.perf_counter()
-    tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
-    t2 = time.perf_counter()
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0,
-                         max_new_tokens=n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
-    gen_tokens = sum(next((i + 1 for i, t in enumerate(row) if t in stops), len(row))  # up to the first stop
-                     for row in new[:, enc["input_ids"].shape[1]:].tolist())
-    loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)
-    prefill, decode = t1 - t0, max(0.0, t2 - t1 - (t1 - t0))  # decode = the n-token run minus its prefill
-    print(f"planner sampling: loop {loop:.1f} tok/s (prefill {prefill:.2f}s, decode {decode:.2f}s) vs generate() "
-          f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
-
-
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> tuple[dict, list]:
-    """Part (a) of benchmark(): seconds per mode, and the distinct planner prompts of the lockstep run."""
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> list[str]:
+    """The same questions, G trajectories each, same engines, seed, turns and token limits: lockstep (the trainer's
+    rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one trajectory at a time. Returns the
+    distinct planner prompts of the lockstep run."""
     fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
     fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
     seconds = {}
@@ -2626,7 +2564,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         torch.manual_seed(cfg.seed)
         t: dict[str, float] = {}
         generated.clear()
-        fixed.dedup = mode != "unshared"  # "unshared": duplicate prompts generated and prefilled again
+        fixed.dedup = mode != "unshared"
         with timed(t, "seconds"):
             if mode == "sequential":
                 states = [st for q in questions for _ in range(group)
@@ -2646,47 +2584,98 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
         seconds[mode] = t["seconds"]
-    return seconds, prompts
+    print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
+          f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
+    return prompts
+
+
+def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
+    """Useful tokens/s (up to the first stop token) of sample_actions vs transformers' generate() under the same law
+    (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
+    stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
+    model.eval()  # the update before left it in training mode
+    t0 = time.perf_counter()
+    sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
+    t1 = time.perf_counter()
+    tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
+    t2 = time.perf_counter()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0,
+                         max_new_tokens=n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+    gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
+                     for row in new[:, enc["input_ids"].shape[1]:].tolist())
+    loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)  # decode = the n-token run - its prefill
+    print(f"planner sampling, {len(prompts)} distinct prompts: loop {loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode "
+          f"{max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
+
+
+def _remote_speedup(group: int) -> None:
+    """G calls to a 127.0.0.1 stand-in for an OpenAI-compatible server that answers after 100 ms, as a remote model
+    would: concurrent (one generate) vs one after another."""
+    import http.server
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(0.1)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()  # HTTP/1.0: the connection closes after the body, so no Content-Length is needed
+            self.wfile.write(b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}')
+
+        log_message = lambda self, *args: None  # keep the benchmark's output clean
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    remote = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", "stand-in", workers=group)
+    prompts, t = [f"question {i}" for i in range(group)], {}
+    try:
+        remote.generate(prompts[:1])  # warm-up: connection set-up
+        with timed(t, "concurrent"):
+            remote.generate(prompts)
+        with timed(t, "sequential"):
+            for p in prompts:
+                remote.ask(p)
+    finally:
+        server.shutdown()
+    print(f"remote concurrency speedup: {t['sequential'] / t['concurrent']:.1f}x ({group} calls of 100 ms: concurrent "
+          f"{t['concurrent']:.2f}s, one after another {t['sequential']:.2f}s)")
+
+
+def _update_memory_probe(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
+    """Peak RSS growth in MB of one forward+backward giving an action's log-probs at a real vocabulary size ('naive':
+    full-sequence logits and log-softmax; 'ours': action_logprobs). In a fresh process: peak RSS never goes down."""
+    def rss_mb(key: str) -> float:  # VmRSS now, VmHWM peak
+        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
+
+    model = build_tiny_model()[0]
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
+    base_mb = rss_mb("VmRSS")
+    if mode == "naive":
+        logp_LV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
+        logp_A = logp_LV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
+    else:
+        logp_A = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
+    logp_A.sum().backward()
+    return rss_mb("VmHWM") - base_mb
 
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """Measure what lockstep batching, sharing and concurrency buy, and the memory of the update:
-    (a) the same questions, G trajectories each, same engines, seed, turns and token limits: lockstep (the trainer's
-        rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one trajectory at a time;
-    (b) the planner's sampling loop vs transformers' generate() on the distinct planner prompts of (a);
-    (c) G remote calls to a stand-in server that answers after 100 ms: concurrent vs one after another;
-    (d) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs."""
+    """--benchmark, the README's performance table: rollouts lockstep vs unshared vs sequential, the sampling loop vs
+    generate() on their planner prompts, remote concurrency, and the update's memory (naive vs action_logprobs)."""
     import multiprocessing
 
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
     kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
               max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
-    log("benchmark: warm-up rollout")
     rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")
-    s, prompts = _time_rollouts(cfg, model, tokenizer, questions, group, kw)
-    print(f"rollout speedup: {s['sequential'] / s['lockstep']:.1f}x (lockstep vs sequential), "
-          f"{s['unshared'] / s['lockstep']:.1f}x (vs nothing shared)")
-    log(f"benchmark: sampling loop vs generate() on {len(prompts)} distinct planner prompts")
-    _sampling_speed(model, tokenizer, prompts, cfg)
-
-    url, server = _slow_openai_server(0.1)
-    try:
-        remote, prompts = OpenAIEngine(url, "stand-in", workers=group), [f"question {i}" for i in range(group)]
-        remote.generate(prompts[:1])  # warm-up: connection set-up
-        t0 = time.perf_counter()
-        remote.generate(prompts)
-        t1 = time.perf_counter()
-        for p in prompts:
-            remote.ask(p)
-        t2 = time.perf_counter()
-    finally:
-        server.shutdown()
-    print(f"  remote: {group} calls of 100 ms: concurrent {t1 - t0:.2f}s, one after another {t2 - t1:.2f}s")
-    print(f"remote concurrency speedup: {(t2 - t1) / (t1 - t0):.1f}x")
-
+    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, kw), cfg)
+    _remote_speedup(group)
     try:  # max_tasks_per_child=1: each probe in a fresh process
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                                     max_tasks_per_child=1) as pool:
