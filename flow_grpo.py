@@ -1311,9 +1311,8 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
 # =====================================================================================================
 # 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
 # =====================================================================================================
-# solve_batch() advances many questions in lockstep: each phase sends the prompts of every live trajectory to
-# its engine in one batch (--ask is a batch of one, a training rollout B x G). The planner is any function
-# prompts -> outputs (strings, or objects with `.text`); each output is kept beside its turn, unread.
+# solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
+# rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
 
 
 def describe_tools(tools: dict) -> str:
@@ -1337,8 +1336,7 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
 
 
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
-    # The question comes last, nearest the reply: SmolLM2-135M then copied the task into the call 24/24 times,
-    # against 18/24 with the tool's description in between (it wrote "Python_Coder_Tool" as the query).
+    # The question last, nearest the reply: SmolLM2-135M then copied the task into the call 24/24 times (else 18/24)
     return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
             f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
             f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
@@ -1351,8 +1349,7 @@ def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
 
 
 def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first, then the question and the instruction: with the steps last SmolLM2-135M answered 5 of 24
-    # (it began to list steps of its own), in this order 20 of 24 given a correct tool result.
+    # Steps first: with them last SmolLM2-135M answered 5 of 24 (it listed steps of its own), in this order 20 of 24
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
 
@@ -1364,7 +1361,7 @@ class Turn:
     plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
     call: Optional[dict]  # the tool call that ran: {"tool_name", "arguments"} (the tool validated them)
     result: Any  # what the tool returned, or {"error": ...}
-    verdict: Optional[Verification] = None  # the verifier's decision after this turn
+    verdict: Optional[Verification] = None  # the verifier's decision after this turn (None: unreadable or not asked)
     planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
 
 
@@ -1476,44 +1473,40 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
 
 
 def format_trajectory(st: AgentState) -> str:
-    """A readable trajectory for --ask and for rollouts.jsonl."""
+    """A readable trajectory for --ask and for rollouts.jsonl. A last turn without a verdict is the last allowed one,
+    whose verifier is not asked: no VERIFIER line."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
     for i, t in enumerate(st.turns, 1):
         verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
         lines += [f"--- turn {i} ---",
                   f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}",
                   f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}",
-                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}", f"VERIFIER: {verdict}"]
+                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}"]
+        lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
 
 # =====================================================================================================
 # 8. Rollout with log-prob capture
 # =====================================================================================================
-# The planner samples its actions here, and we keep, for every token, the log-probability under the exact
-# distribution it was drawn from: softmax(raw logits / T). Nothing else may touch the logits (no top-k,
-# top-p, repetition penalty): if the sampler used processed scores but the update uses raw logits, the
-# ratio pi/pi_old is not 1 before any update (a bug of the original article). Turning top-k/top-p on would
-# make the behaviour policy a truncated distribution; you would then have to recompute pi_old with the same
-# truncation or accept a biased ratio - which is why this file does not offer them.
+# Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
+# logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
+# penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
 
 
 @dataclass
 class Sample:
-    """One sampled action. Tensors are 1-D and unpadded:
-    prompt_ids [P] (the rendered prompt), action_ids [A] (up to and including EOS when one was produced),
-    logprobs [A] (behaviour log-probs of action_ids), text (the action decoded, special tokens dropped)."""
-    prompt_ids: torch.Tensor
-    action_ids: torch.Tensor
-    logprobs: torch.Tensor
-    text: str
+    """One sampled action; its tensors are 1-D and unpadded."""
+    prompt_ids: torch.Tensor  # [P] the rendered prompt
+    action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
+    logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
+    text: str  # the action decoded, special tokens dropped
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
-    ids = {tokenizer.eos_token_id}
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
 
 
@@ -1570,7 +1563,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
-    """Log-probs of each action under `model`, recomputed in one batched, differentiable forward pass.
+    """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
 
     Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
         [[pad, p0, p1 | a0, a1, pad],
@@ -1579,13 +1572,10 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
     A+1 columns minus the very last one. `logits_to_keep` makes the model apply its LM head to those columns
     only: with a 152k-token vocabulary, full-sequence logits for a 4k-token prompt would cost gigabytes.
     The pad id is irrelevant: the mask is built from lengths, and padded logits are never read.
-    Returns a list of 1-D tensors, one per row, of the lengths of the actions.
     """
     device = next(model.parameters()).device
-    B = len(prompt_ids_list)
-    P, A = max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
-    ids_BL = torch.zeros(B, P + A, dtype=torch.long)
-    mask_BL = torch.zeros(B, P + A, dtype=torch.long)
+    B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
+    ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
     for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
         ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
         ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
@@ -1601,9 +1591,8 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
 def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: Engine, tools: dict,
             temperature: float, max_new_tokens: int, max_turns: int, memory_chars: int = 2000,
             tool_workers: int = 8, timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
-    """B questions x G samples in lockstep: trajectory i answers questions[i // G].
-    Each turn, the planner prompts of all live trajectories go through ONE batched sample_actions call; the
-    Samples (prompt ids, action ids, behaviour log-probs) stay attached to their turns."""
+    """B questions x G samples in lockstep (trajectory i answers questions[i // G]): each turn, ONE batched
+    sample_actions call for all live trajectories; each Sample stays attached to its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
         return sample_actions(model, tokenizer, [render_chat(tokenizer, p) for p in prompts],
                               max_new_tokens=max_new_tokens, temperature=temperature, share_prefill=share_prefill)
