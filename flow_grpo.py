@@ -1703,14 +1703,12 @@ def math_verify_equal(gold: str, pred: str) -> bool:
         proc, reply = _math_worker["proc"], ""
         try:
             with contextlib.suppress(BrokenPipeError):  # it died
-                proc.stdin.write(json.dumps([gold, pred]) + "\n")
-                proc.stdin.flush()
+                print(json.dumps([gold, pred]), file=proc.stdin, flush=True)
                 if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
                     reply = proc.stdout.readline()
         finally:  # too slow, dead or interrupted (a late reply would answer the next question): a fresh one
             if not reply:
-                del _math_worker["proc"]
-                proc.kill()
+                _math_worker.pop("proc").kill()
                 proc.wait()
         return reply.strip() == "1"
 
@@ -1780,12 +1778,10 @@ def group_members(group_ids) -> list[list[int]]:
 
 
 def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
-    """One advantage per sample: its reward minus its group's mean, scaled.
-
-    scale='group': divide by the group's unbiased std (GRPO, verl); 'batch': by the std of ALL rewards in the
-    batch (TRL's; less noisy for small G); 'none': centred only (Dr. GRPO). A group whose rewards are all equal
-    carries no signal: its advantages are exactly 0, not 0/eps noise; so are a lone sample's (verl: its reward).
-    """
+    """One advantage per sample: its reward minus its group's mean, divided by the group's unbiased std
+    (scale='group': GRPO, verl), by the std of ALL rewards ('batch': TRL; less noisy for small G) or by 1 ('none':
+    Dr. GRPO). A group of equal rewards carries no signal: its advantages are exactly 0, not 0/eps noise; so are a
+    lone sample's (verl: its reward)."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     r_N = torch.as_tensor(rewards, dtype=torch.float32)
@@ -1813,14 +1809,11 @@ def zero_std_frac(rewards, group_ids) -> float:
 
 
 def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
-    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch.
-
+    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
     'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
     'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
     'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
-    traj_ids: the trajectory of each row (any hashable ids); without them every row is its own trajectory,
-    so 'turn' equals 'seq-mean-token-mean'.
-    """
+    traj_ids: each row's trajectory (any hashable ids); without them 'turn' equals 'seq-mean-token-mean'."""
     mask_BA = mask.float()
     per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
     if agg == "token-mean":
