@@ -1926,18 +1926,15 @@ def load_base(cfg: Config, device: str):
         model, tokenizer = build_tiny_model(cfg.seed)
         return model.to(device), tokenizer
     name = resolve_model(cfg.model)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
     if cfg.load_in_4bit:
         if device != "cuda":
             raise SystemExit("error: --load-in-4bit needs a CUDA GPU (bitsandbytes 4-bit kernels)")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
+        kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
-        kwargs["device_map"] = {"": 0}
+            bnb_4bit_compute_dtype=torch.bfloat16))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
@@ -1996,9 +1993,8 @@ def make_judge(cfg: Config, fixed: Engine) -> Optional[Engine]:
 
 
 def build_system(cfg: Config, device: str, *, trainable: bool):
-    """Everything a rollout needs: the policy and its tokenizer, the frozen roles' engine and the tools. The frozen
-    roles run on a remote OpenAI-compatible server when --fixed-base-url is set, else on the policy's own base
-    weights with the adapter off (no server, no second copy of the model)."""
+    """Everything a rollout needs: policy, tokenizer, the frozen roles' engine (a remote server with --fixed-base-url,
+    else the policy's own base weights with the adapter off: no second copy) and the tools."""
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
     fixed = remote_engine(cfg, "--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model,
                           cfg.fixed_max_tokens) if cfg.fixed_base_url \
@@ -2113,7 +2109,7 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
                                                      [r.action_ids for r in chunk], temperature=cfg.temperature))
         dev = logp_BA.device
-        # None (see fill_old_and_ref): this forward IS pi_old / no KL term - detached copies give ratio 1, KL 0
+        # None: this forward IS pi_old (one pass) / there is no KL term - detached copies give ratio 1, KL 0
         old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
         ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
         adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
@@ -2130,9 +2126,8 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
-    sampler's log-probs; 'recompute' = the update's own code (the first ratio is 1 up to float noise), and with ONE
-    pass (ppo_epochs == num_minibatches == 1) the update's forward IS pi_old: old_logp stays None, a pass saved.
-    pi_ref (adapter off) is needed only for a KL term."""
+    sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
+    the update's forward IS pi_old: old_logp stays None. pi_ref (adapter off): only for a KL term."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if cfg.old_logprobs == "captured":
         for r in rows:
@@ -2196,8 +2191,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data:
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "data": dataclasses.asdict(data), "rng": rng}, tmp / "trainer_state.pt")
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    if final.exists():
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
 
@@ -2351,11 +2345,9 @@ class GracefulInterrupt:
 
     requested = False
 
-    def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread (e.g. inside some test runners): keep default behaviour
-            self._old = None
+    def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
+        main = threading.current_thread() is threading.main_thread()
+        self._old = signal.signal(signal.SIGINT, self._handler) if main else None
         return self
 
     def _handler(self, signum, frame):
@@ -2430,8 +2422,8 @@ def train(cfg: Config) -> Path:
 
     bar = tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
                dynamic_ncols=True)
-    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a") as mf, \
-            open(out_dir / "rollouts.jsonl", "a") as rf:
+    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
+            open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf:  # line-buffered: each step is on disk at once
         for step in bar:
             batch = [data_rows[i] for i in data.next_batch(cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
@@ -2439,8 +2431,6 @@ def train(cfg: Config) -> Path:
             mf.write(json.dumps(metrics) + "\n")
             rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
                           for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
-            mf.flush()
-            rf.flush()
             if 0 < metrics["engine_requests"] == metrics["engine_failures"]:  # the server is down: stop, do not save
                 bar.close()
                 raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
@@ -2457,7 +2447,7 @@ def train(cfg: Config) -> Path:
 
 
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
-                       lr: float = 2e-2, show: Optional[Callable[[int, float], None]] = None) -> list[float]:
+                       lr: float = 2e-2) -> list[float]:
     """Train the tiny model on a single-turn toy task - answer with digits, reward = the share of digits in the action -
     and return the mean reward per step. Sampling, advantages, loss and update are the trainer's own functions, so a
     rising curve means the whole update path has the right sign and scale: the learning test and the README's curve.
@@ -2479,13 +2469,10 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         adv_B = group_advantages(rewards, [i // group for i in range(len(samples))])
         rows = [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a),
                     traj_id=i) for i, (s, a) in enumerate(zip(samples, adv_B))]
-        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="old_logp")
-        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="ref_logp", base=True)
+        fill_old_and_ref(model, rows, cfg)
         update_policy(model, optimizer, rows, cfg, step)
         scheduler.step()
         curve.append(sum(rewards) / len(rewards))
-        if show:
-            show(step, curve[-1])
     return curve
 
 
