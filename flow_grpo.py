@@ -2278,18 +2278,18 @@ def trim_jsonl(path: Path, max_step: int) -> None:
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     """For --eval's last line and the step metrics: planner turns, plans parsed, calls asked of the executor (plans
-    naming a real tool; tool:<name> per tool), calls valid in their tool's schema, and the frozen roles' structured
-    outputs (an analysis per question, a call per request, a verdict per turn but the last allowed) and how many parsed."""
+    naming a real tool; tool:<name> per tool) and valid in their tool's schema, and the frozen roles' structured
+    outputs (an analysis per question, a call per request, a verdict per turn asked) and how many parsed."""
     c = Counter()
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
         c.update(f"tool:{t.plan.tool_name}" for t in asked)
-        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]  # none after the last turn
+        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]  # all asked
         structured = 1 + len(asked) + verdicts
         failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
         c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
-                 calls_valid=sum(t.call is not None for t in asked),
-                 tool_errors=st.stats["tool_error"], structured=structured, structured_valid=structured - failed)
+                 calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],
+                 structured=structured, structured_valid=structured - failed)
     return c
 
 
