@@ -1520,8 +1520,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
     Position ids come from the mask (cumsum - 1), exactly as the update will compute them (action_logprobs),
     so both passes see the same positions. temperature == 0 means greedy (log-probs then at T = 1).
-    share_prefill: each DISTINCT prompt is prefilled once (a group's G rows share their turn-1 prompt), its KV
-    cache copied to its rows, which then sample independently. A row whose action ended leaves batch and cache.
+    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
+    KV cache copied to its rows, which then sample independently. A row whose action ended leaves batch and cache.
     """
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
@@ -1753,8 +1753,7 @@ def judge_prompt(question: str, answer: str, ground_truth: str) -> str:
 
 def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None
                   ) -> tuple[list[float], int]:
-    """Rewards for a batch, and how many fell back to the rule. Without an engine: the rule alone.
-    With one: its structured verdict, except where it fails to give one (then the rule, counted)."""
+    """Rewards, and how many fell back to the rule: the engine's verdict where it gives one, else the rule."""
     rule = [rule_reward(a, t) for a, t in zip(answers, truths)]
     if engine is None:
         return rule, 0
@@ -1883,7 +1882,6 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"[model] dequantising {path.name} once into {folder}")
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     del loaded.config.quantization_config
     model = AutoModelForCausalLM.from_config(loaded.config)
@@ -1891,7 +1889,7 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent))
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
     try:
         tmp.rename(folder)  # written aside, then renamed: a crash never leaves half a folder
     except OSError:  # another process converted it first
@@ -2063,8 +2061,7 @@ class Row:
 
 
 def build_rows(states: list[AgentState], advantages: torch.Tensor) -> list[Row]:
-    """Flatten trajectories into turn-rows; every turn gets its trajectory's advantage (Flow-GRPO's broadcast).
-    Groups whose advantage is 0 still contribute their KL term."""
+    """Flatten trajectories into turn-rows; every turn gets its trajectory's advantage (Flow-GRPO's broadcast)."""
     turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
     return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(advantages[i]),
                 traj_id=i) for i, s in turns]
@@ -2099,8 +2096,7 @@ def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_siz
 
 
 def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
-    """Accumulate the gradient of ONE minibatch over micro-batches, exactly: the aggregation weights are computed
-    for the whole minibatch and sliced per micro-batch, so the micro losses and gradients add up to the big batch's.
+    """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
     Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
     all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
     total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
@@ -2181,9 +2177,8 @@ def make_optimizer(model, cfg: Config):
 
 
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, cfg: Config) -> Path:
-    """checkpoint-<step>/: the adapter in standard peft format (adapter_config.json + adapter_model.safetensors,
-    loadable by vLLM --enable-lora) plus all a resumed run needs to go on exactly as this one would (the RNG states
-    are those step+1 starts from). Written aside and renamed: a crash mid-save never leaves half a checkpoint."""
+    """checkpoint-<step>/: the adapter in peft format (vLLM --enable-lora loads it) plus all a resumed run needs to go
+    on exactly as this one would. Written aside and renamed: a crash mid-save never leaves half a checkpoint."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     model.save_pretrained(tmp)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -2197,8 +2192,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data:
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
-    """The newest checkpoint whose three files read back whole. Our save is atomic, but a full disk or a partial
-    copy can still tear one later: it is skipped with one line."""
+    """The newest checkpoint whose three files read back whole (a full disk or a partial copy can tear one)."""
     from safetensors.torch import load_file
 
     found = [p for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
@@ -2231,8 +2225,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -
     return int(state["step"])
 
 
-# The flags that may differ on --resume: they change how long the run goes (max_steps: the cosine decay then
-# stretches to the new end), where and how much it logs, or how fast it runs - never what a step computes.
+# The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
+# and how much it logs, how fast it runs - never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
                "device", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
                "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
@@ -2240,8 +2234,7 @@ RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "o
 
 def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
-    Never mixes two runs in one folder; refuses flags that would change the run (a new --lr: the restored optimizer
-    keeps the old one, while config.json would say new)."""
+    Never mixes two runs in one folder; refuses flags that would change the run (a restored optimizer keeps its lr)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, a read-only disk
@@ -2264,8 +2257,7 @@ def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:
-    """On resume, drop the log lines of steps after the checkpoint (they will be written again), and a last line
-    torn by a crash mid-write (it does not parse)."""
+    """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     if not path.exists():
         return
     keep = []
@@ -2339,9 +2331,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
 
 
 class GracefulInterrupt:
-    """First Ctrl-C: finish the current step, save a checkpoint, stop (stopping mid-update would save an adapter
-    half a step ahead of its optimizer and RNG). Second Ctrl-C: os._exit at once - no waiting for requests or tools,
-    no interpreter teardown; nothing saved is lost (logs are flushed every step, checkpoints renamed into place)."""
+    """First Ctrl-C: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer), save, stop.
+    Second: os._exit at once, waiting for no request or tool; nothing saved is lost (logs and checkpoints are whole)."""
 
     requested = False
 
@@ -2363,8 +2354,7 @@ class GracefulInterrupt:
 
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
-    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens.
-    action_logprobs reads logits of action columns only, so no prompt position can enter the loss."""
+    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens."""
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
 
 
@@ -2399,8 +2389,8 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
 
 
 def train(cfg: Config) -> Path:
-    """The main loop; returns the last checkpoint. Start-up checks first what may refuse the run (before the model
-    loads: a refusal costs nothing), then restores --resume's checkpoint, or warm-starts a fresh run by SFT."""
+    """The main loop; returns the last checkpoint. Refusals first (before the model loads), then --resume's
+    checkpoint, or an SFT warm start for a fresh run."""
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
@@ -2420,10 +2410,10 @@ def train(cfg: Config) -> Path:
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
 
-    bar = tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
-               dynamic_ncols=True)
     with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
-            open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf:  # line-buffered: each step is on disk at once
+            open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf, \
+            tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
+                 dynamic_ncols=True) as bar:
         for step in bar:
             batch = [data_rows[i] for i in data.next_batch(cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
@@ -2432,7 +2422,6 @@ def train(cfg: Config) -> Path:
             rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
                           for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
             if 0 < metrics["engine_requests"] == metrics["engine_failures"]:  # the server is down: stop, do not save
-                bar.close()
                 raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
                                  f"(see the lines above); stopped - once the server is back, continue with --resume")
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
@@ -2442,15 +2431,13 @@ def train(cfg: Config) -> Path:
             if interrupt.requested:
                 log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
                 break
-    bar.close()
     return last
 
 
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
                        lr: float = 2e-2) -> list[float]:
-    """Train the tiny model on a single-turn toy task - answer with digits, reward = the share of digits in the action -
-    and return the mean reward per step. Sampling, advantages, loss and update are the trainer's own functions, so a
-    rising curve means the whole update path has the right sign and scale: the learning test and the README's curve.
+    """The tiny model on a one-turn toy task (reward = the share of digits in the action): mean reward per step. The
+    trainer's own sampling, advantages, loss and update, so a rising curve shows the update's sign and scale are right.
     lr 2e-2: at 5e-2 a seed at 1.00 could fall back (all advantages 0: Adam scales up the tiny KL gradient)."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
@@ -2489,8 +2476,7 @@ def build_agent(cfg: Config, device: str):
 
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
-    """Greedy solve of the validation set. The LAST stdout line says what happened, in counts:
-    eval: accuracy A/N, plans parsed P/T, tool calls valid V/C, structured outputs valid F/R"""
+    """Greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
     from tqdm import tqdm
 
     rows = load_questions(cfg.val_file, cfg.eval_limit)
@@ -2690,8 +2676,7 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
 
 
 def plot_run(cfg: Config) -> list[dict]:
-    """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir, as a text
-    table, and curve.png."""
+    """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir: a table, curve.png."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
@@ -2721,14 +2706,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device == "cpu" and cfg.device == "auto" and cfg.model != "tiny":  # no silent fallback: 1.5B on CPU crawls
         raise SystemExit(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
                          f"--preset smoke (or force --device cpu)")
-    if cfg.preset:
-        ensure_sample_data(cfg)
-    if cfg.ask:
-        ask(cfg, device)
-    elif cfg.eval:
-        evaluate(cfg, device)
-    elif cfg.benchmark:
-        benchmark(cfg, device)
+    ensure_sample_data(cfg)  # a preset's offline data, on first use
+    if cfg.ask or cfg.eval or cfg.benchmark:
+        (ask if cfg.ask else evaluate if cfg.eval else benchmark)(cfg, device)
     else:
         train(cfg)
     return 0
