@@ -1473,8 +1473,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
 
 
 def format_trajectory(st: AgentState) -> str:
-    """A readable trajectory for --ask and for rollouts.jsonl. A last turn without a verdict is the last allowed one,
-    whose verifier is not asked: no VERIFIER line."""
+    """A readable trajectory (--ask, rollouts.jsonl); a last turn without a verdict had none asked: no VERIFIER line."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
     for i, t in enumerate(st.turns, 1):
         verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
@@ -1591,8 +1590,7 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
 def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: Engine, tools: dict,
             temperature: float, max_new_tokens: int, max_turns: int, memory_chars: int = 2000,
             tool_workers: int = 8, timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
-    """B questions x G samples in lockstep (trajectory i answers questions[i // G]): each turn, ONE batched
-    sample_actions call for all live trajectories; each Sample stays attached to its Turn."""
+    """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
         return sample_actions(model, tokenizer, [render_chat(tokenizer, p) for p in prompts],
                               max_new_tokens=max_new_tokens, temperature=temperature, share_prefill=share_prefill)
@@ -1918,8 +1916,7 @@ def resolve_model(name: str) -> str:
 
 
 def load_base(cfg: Config, device: str):
-    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint, folder or GGUF file
-    (bf16 on GPU, 4-bit NF4 with bitsandbytes for QLoRA)."""
+    """The policy's base model and tokenizer: tiny, or an HF id, folder or GGUF (bf16 on GPU; QLoRA: 4-bit NF4)."""
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed)
         return model.to(device), tokenizer
@@ -1945,8 +1942,7 @@ def load_base(cfg: Config, device: str):
 
 
 def load_policy(cfg: Config, device: str, *, trainable: bool):
-    """Base + LoRA. trainable=True: a fresh adapter (or --adapter to continue from); else --adapter for
-    inference, or the bare base model when there is none."""
+    """Base + LoRA: --adapter when given (trainable or not), else a fresh adapter to train, else the bare base."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     model, tokenizer = load_base(cfg, device)
@@ -1991,8 +1987,7 @@ def make_judge(cfg: Config, fixed: Engine) -> Optional[Engine]:
 
 
 def build_system(cfg: Config, device: str, *, trainable: bool):
-    """Everything a rollout needs: policy, tokenizer, the frozen roles' engine (a remote server with --fixed-base-url,
-    else the policy's own base weights with the adapter off: no second copy) and the tools."""
+    """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off) and tools."""
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
     fixed = remote_engine(cfg, "--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model,
                           cfg.fixed_max_tokens) if cfg.fixed_base_url \
@@ -2009,8 +2004,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
 
 
 def ensure_sample_data(cfg: Config) -> None:
-    """A preset's data, built offline on first use by prepare_data.py (--sample; --arithmetic with seed 42, so
-    every run holds out the same questions) - only at the preset's own paths, never over a file the user named."""
+    """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
     own = PRESETS.get(cfg.preset, {})
     missing = [p for p, key in ((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))
                if p == own.get(key) and not Path(p).exists()]
@@ -2027,8 +2021,7 @@ def ensure_sample_data(cfg: Config) -> None:
 
 @dataclass
 class DataStream:
-    """Deterministic pass over the training questions: a fresh seeded shuffle per epoch. Its whole state is
-    (epoch, pos), saved in checkpoints so a resumed run draws exactly the questions it would have drawn."""
+    """A seeded shuffle per epoch; its whole state (epoch, pos) is in checkpoints, so a resume draws the same."""
     n: int
     seed: int
     epoch: int = 0
@@ -2177,8 +2170,7 @@ def make_optimizer(model, cfg: Config):
 
 
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, cfg: Config) -> Path:
-    """checkpoint-<step>/: the adapter in peft format (vLLM --enable-lora loads it) plus all a resumed run needs to go
-    on exactly as this one would. Written aside and renamed: a crash mid-save never leaves half a checkpoint."""
+    """checkpoint-<step>/: the peft adapter (vLLM --enable-lora takes it), all a resume needs; written aside, renamed."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     model.save_pretrained(tmp)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -2389,8 +2381,7 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
 
 
 def train(cfg: Config) -> Path:
-    """The main loop; returns the last checkpoint. Refusals first (before the model loads), then --resume's
-    checkpoint, or an SFT warm start for a fresh run."""
+    """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
@@ -2508,9 +2499,8 @@ def ask(cfg: Config, device: str) -> AgentState:
 
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> list[str]:
-    """The same questions, G trajectories each, same engines, seed, turns and token limits: lockstep (the trainer's
-    rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one trajectory at a time. Returns the
-    distinct planner prompts of the lockstep run."""
+    """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
+    trajectory at a time, same questions, engines and seed; returns the lockstep run's distinct planner prompts."""
     fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
     fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
     seconds = {}
@@ -2565,8 +2555,7 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
 
 
 def _remote_speedup(group: int) -> None:
-    """G calls to a 127.0.0.1 stand-in for an OpenAI-compatible server that answers after 100 ms, as a remote model
-    would: concurrent (one generate) vs one after another."""
+    """G calls to a 127.0.0.1 OpenAI-compatible stand-in answering after 100 ms: concurrent vs one after another."""
     import http.server
 
     class Slow(http.server.BaseHTTPRequestHandler):
