@@ -2170,7 +2170,7 @@ def make_optimizer(model, cfg: Config):
 
 
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, cfg: Config) -> Path:
-    """checkpoint-<step>/: the peft adapter (vLLM --enable-lora takes it), all a resume needs; written aside, renamed."""
+    """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     model.save_pretrained(tmp)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
