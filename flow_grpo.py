@@ -2034,8 +2034,7 @@ class DataStream:
             order = list(range(self.n))
             random.Random(self.seed + self.epoch).shuffle(order)
             take = order[self.pos:self.pos + size - len(out)]
-            out += take
-            self.pos += len(take)
+            out, self.pos = out + take, self.pos + len(take)
             if self.pos >= self.n:
                 self.epoch, self.pos = self.epoch + 1, 0
         return out
@@ -2280,11 +2279,11 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
 def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
     """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
     c = agent_counts(states, tools)
-    return {"turns_per_traj": c["turns"] / max(1, c["questions"]), "plan_parse_rate": c["plans"] / max(1, c["turns"]),
-            "tool_call_valid": c["calls_valid"] / max(1, c["calls"]),
-            "tool_error_rate": c["tool_errors"] / max(1, c["turns"]),
-            "structured_valid": c["structured_valid"] / max(1, c["structured"]),
-            "tool_share": {name: c[f"tool:{name}"] / max(1, c["calls"]) for name in tools}}
+    rate = lambda part, whole: c[part] / max(1, c[whole])  # part / whole, 0 for an empty whole
+    return {"turns_per_traj": rate("turns", "questions"), "plan_parse_rate": rate("plans", "turns"),
+            "tool_call_valid": rate("calls_valid", "calls"), "tool_error_rate": rate("tool_errors", "turns"),
+            "structured_valid": rate("structured_valid", "structured"),
+            "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
 
 
 def engine_counts(*engines: Optional[Engine]) -> dict:
@@ -2493,8 +2492,7 @@ def ask(cfg: Config, device: str) -> AgentState:
     _, _, fixed, tools, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
-    print(format_trajectory(st))
-    print(f"ANSWER: {extract_answer(st.final_output)}")
+    print(format_trajectory(st), f"ANSWER: {extract_answer(st.final_output)}", sep="\n")
     return st
 
 
@@ -2517,15 +2515,11 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             else:
                 states = rollout(model, tokenizer, questions, group_size=group, timings=t,
                                  share_prefill=mode == "lockstep", **kw)
-        if mode == "lockstep":  # one update on this batch, to show its share of a training step
-            rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
-                                                       [i // group for i in range(len(states))]))
-            with timed(t, "update"):
-                fill_old_and_ref(model, rows, cfg)
-                update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
-            prompts = list(dict.fromkeys(tokenizer.decode(row.prompt_ids) for row in rows))
-        tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
-        where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
+        samples = [turn.planner_output for st in states for turn in st.turns]
+        if mode == "lockstep":
+            prompts = list(dict.fromkeys(tokenizer.decode(s.prompt_ids) for s in samples))
+        tokens = sum(len(s.action_ids) for s in samples)
+        where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools"))
         print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
         seconds[mode] = t["seconds"]
