@@ -2532,7 +2532,6 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     """Useful tokens/s (up to the first stop token) of sample_actions vs transformers' generate() under the same law
     (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
     stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
-    model.eval()  # the update before left it in training mode
     t0 = time.perf_counter()
     sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
     t1 = time.perf_counter()
