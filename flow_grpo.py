@@ -2508,13 +2508,10 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         t: dict[str, float] = {}
         generated.clear()
         fixed.dedup = mode != "unshared"
+        runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
         with timed(t, "seconds"):
-            if mode == "sequential":
-                states = [st for q in questions for _ in range(group)
-                          for st in rollout(model, tokenizer, [q], group_size=1, timings=t, **kw)]
-            else:
-                states = rollout(model, tokenizer, questions, group_size=group, timings=t,
-                                 share_prefill=mode == "lockstep", **kw)
+            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, group_size=g, timings=t,
+                                                             share_prefill=mode == "lockstep", **kw)]
         samples = [turn.planner_output for st in states for turn in st.turns]
         if mode == "lockstep":
             prompts = list(dict.fromkeys(tokenizer.decode(s.prompt_ids) for s in samples))
