@@ -1735,9 +1735,8 @@ def answers_match(pred: str, gold: str) -> bool:
 
 
 def rule_reward(answer: str, ground_truth: str) -> float:
-    """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0. Whole answers
-    only: '1444' is not '144', 'Paris, Texas' is not 'Paris'. Both sides get one spelling (SPELLINGS) and lose
-    \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
+    """1.0 if the extracted answer matches a whole gold answer (NQ joins several with "; "): '1444' is not '144'.
+    Both sides get one spelling (SPELLINGS) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
     pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", s.translate(SPELLINGS)).strip()
                     for s in [extract_answer(answer), *str(ground_truth).split("; ")]]
     return float(any(answers_match(pred, g) for g in golds if g))
@@ -1775,10 +1774,9 @@ def group_members(group_ids) -> list[list[int]]:
 
 
 def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
-    """One advantage per sample: its reward minus its group's mean, divided by the group's unbiased std
-    (scale='group': GRPO, verl), by the std of ALL rewards ('batch': TRL; less noisy for small G) or by 1 ('none':
-    Dr. GRPO). A group of equal rewards carries no signal: its advantages are exactly 0, not 0/eps noise; so are a
-    lone sample's (verl: its reward)."""
+    """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
+    rewards ('batch': TRL; less noisy for small G) or 1 ('none': Dr. GRPO). A group of equal rewards, or a lone sample,
+    carries no signal: exactly 0, not 0/eps noise (verl gives a lone sample its reward)."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     r_N = torch.as_tensor(rewards, dtype=torch.float32)
