@@ -2510,11 +2510,15 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         with timed(t, "seconds"):
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, group_size=g, timings=t,
                                                              share_prefill=mode == "lockstep", **kw)]
-        samples = [turn.planner_output for st in states for turn in st.turns]
-        if mode == "lockstep":
-            prompts = list(dict.fromkeys(tokenizer.decode(s.prompt_ids) for s in samples))
-        tokens = sum(len(s.action_ids) for s in samples)
-        where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools"))
+        if mode == "lockstep":  # and one update on its turns: their share of a training step
+            rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
+                                                       [i // group for i in range(len(states))]))
+            with timed(t, "update"):
+                fill_old_and_ref(model, rows, cfg)
+                update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
+            prompts = list(dict.fromkeys(tokenizer.decode(row.prompt_ids) for row in rows))
+        tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
+        where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
         print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
         seconds[mode] = t["seconds"]
