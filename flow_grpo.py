@@ -2051,7 +2051,7 @@ class Row:
 
 
 def build_rows(states: list[AgentState], advantages: torch.Tensor) -> list[Row]:
-    """Trajectories -> turn-rows with their trajectory's advantage (Flow-GRPO's broadcast); A = 0 rows still carry KL."""
+    """Trajectories -> turn-rows with their trajectory's advantage (Flow-GRPO's broadcast); A = 0 rows still add KL."""
     turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
     return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(advantages[i]),
                 traj_id=i) for i, s in turns]
