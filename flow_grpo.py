@@ -1240,9 +1240,8 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
 # =====================================================================================================
 # 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
 # =====================================================================================================
-# solve_batch() advances many questions in lockstep: each phase sends the prompts of every live trajectory to
-# its engine in one batch (--ask is a batch of one, a training rollout B x G). The planner is any function
-# prompts -> outputs (strings, or objects with `.text`); each output is kept beside its turn, unread.
+# solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
+# rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
 
 
 def describe_tools(tools: dict) -> str:
@@ -1266,8 +1265,7 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
 
 
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
-    # The question comes last, nearest the reply: SmolLM2-135M then copied the task into the call 24/24 times,
-    # against 18/24 with the tool's description in between (it wrote "Python_Coder_Tool" as the query).
+    # The question last, nearest the reply: SmolLM2-135M then copied the task into the call 24/24 times (else 18/24)
     return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
             f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
             f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
@@ -1280,8 +1278,7 @@ def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
 
 
 def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first, then the question and the instruction: with the steps last SmolLM2-135M answered 5 of 24
-    # (it began to list steps of its own), in this order 20 of 24 given a correct tool result.
+    # Steps first: with them last SmolLM2-135M answered 5 of 24 (it listed steps of its own), in this order 20 of 24
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
 
@@ -1293,7 +1290,7 @@ class Turn:
     plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
     call: Optional[dict]  # the tool call that ran: {"tool_name", "arguments"} (the tool validated them)
     result: Any  # what the tool returned, or {"error": ...}
-    verdict: Optional[Verification] = None  # the verifier's decision after this turn
+    verdict: Optional[Verification] = None  # the verifier's decision after this turn (None: unreadable or not asked)
     planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
 
 
@@ -1405,44 +1402,39 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
 
 
 def format_trajectory(st: AgentState) -> str:
-    """A readable trajectory for --ask and for rollouts.jsonl."""
+    """A readable trajectory (--ask, rollouts.jsonl); a last turn without a verdict had none asked: no VERIFIER line."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
     for i, t in enumerate(st.turns, 1):
         verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
         lines += [f"--- turn {i} ---",
                   f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}",
                   f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}",
-                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}", f"VERIFIER: {verdict}"]
+                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}"]
+        lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
 
 # =====================================================================================================
 # 8. Rollout with log-prob capture
 # =====================================================================================================
-# The planner samples its actions here, and we keep, for every token, the log-probability under the exact
-# distribution it was drawn from: softmax(raw logits / T). Nothing else may touch the logits (no top-k,
-# top-p, repetition penalty): if the sampler used processed scores but the update uses raw logits, the
-# ratio pi/pi_old is not 1 before any update (a bug of the original article). Turning top-k/top-p on would
-# make the behaviour policy a truncated distribution; you would then have to recompute pi_old with the same
-# truncation or accept a biased ratio - which is why this file does not offer them.
+# Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
+# logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
+# penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
 
 
 @dataclass
 class Sample:
-    """One sampled action. Tensors are 1-D and unpadded:
-    prompt_ids [P] (the rendered prompt), action_ids [A] (up to and including EOS when one was produced),
-    logprobs [A] (behaviour log-probs of action_ids), text (the action decoded, special tokens dropped)."""
-    prompt_ids: torch.Tensor
-    action_ids: torch.Tensor
-    logprobs: torch.Tensor
-    text: str
+    """One sampled action; its tensors are 1-D and unpadded."""
+    prompt_ids: torch.Tensor  # [P] the rendered prompt
+    action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
+    logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
+    text: str  # the action decoded, special tokens dropped
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
-    ids = {tokenizer.eos_token_id}
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
 
 
@@ -1456,8 +1448,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
     Position ids come from the mask (cumsum - 1), exactly as the update will compute them (action_logprobs),
     so both passes see the same positions. temperature == 0 means greedy (log-probs then at T = 1).
-    share_prefill: each DISTINCT prompt is prefilled once (a group's G rows share their turn-1 prompt), its KV
-    cache copied to its rows, which then sample independently. A row whose action ended leaves batch and cache.
+    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
+    KV cache copied to its rows, which then sample independently. A row whose action ended leaves batch and cache.
     """
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
@@ -1499,7 +1491,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
-    """Log-probs of each action under `model`, recomputed in one batched, differentiable forward pass.
+    """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
 
     Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
         [[pad, p0, p1 | a0, a1, pad],
@@ -1508,13 +1500,10 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
     A+1 columns minus the very last one. `logits_to_keep` makes the model apply its LM head to those columns
     only: with a 152k-token vocabulary, full-sequence logits for a 4k-token prompt would cost gigabytes.
     The pad id is irrelevant: the mask is built from lengths, and padded logits are never read.
-    Returns a list of 1-D tensors, one per row, of the lengths of the actions.
     """
     device = next(model.parameters()).device
-    B = len(prompt_ids_list)
-    P, A = max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
-    ids_BL = torch.zeros(B, P + A, dtype=torch.long)
-    mask_BL = torch.zeros(B, P + A, dtype=torch.long)
+    B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
+    ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
     for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
         ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
         ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
@@ -1530,9 +1519,7 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
 def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: Engine, tools: dict,
             temperature: float, max_new_tokens: int, max_turns: int, memory_chars: int = 2000,
             tool_workers: int = 8, timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
-    """B questions x G samples in lockstep: trajectory i answers questions[i // G].
-    Each turn, the planner prompts of all live trajectories go through ONE batched sample_actions call; the
-    Samples (prompt ids, action ids, behaviour log-probs) stay attached to their turns."""
+    """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
         return sample_actions(model, tokenizer, [render_chat(tokenizer, p) for p in prompts],
                               max_new_tokens=max_new_tokens, temperature=temperature, share_prefill=share_prefill)
@@ -1643,14 +1630,12 @@ def math_verify_equal(gold: str, pred: str) -> bool:
         proc, reply = _math_worker["proc"], ""
         try:
             with contextlib.suppress(BrokenPipeError):  # it died
-                proc.stdin.write(json.dumps([gold, pred]) + "\n")
-                proc.stdin.flush()
+                print(json.dumps([gold, pred]), file=proc.stdin, flush=True)
                 if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
                     reply = proc.stdout.readline()
         finally:  # too slow, dead or interrupted (a late reply would answer the next question): a fresh one
             if not reply:
-                del _math_worker["proc"]
-                proc.kill()
+                _math_worker.pop("proc").kill()
                 proc.wait()
         return reply.strip() == "1"
 
@@ -1679,9 +1664,8 @@ def answers_match(pred: str, gold: str) -> bool:
 
 
 def rule_reward(answer: str, ground_truth: str) -> float:
-    """1.0 if the extracted answer matches any gold answer (NQ joins several with "; "), else 0.0. Whole answers
-    only: '1444' is not '144', 'Paris, Texas' is not 'Paris'. Both sides get one spelling (SPELLINGS) and lose
-    \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
+    """1.0 if the extracted answer matches a whole gold answer (NQ joins several with "; "): '1444' is not '144'.
+    Both sides get one spelling (SPELLINGS) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
     pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", s.translate(SPELLINGS)).strip()
                     for s in [extract_answer(answer), *str(ground_truth).split("; ")]]
     return float(any(answers_match(pred, g) for g in golds if g))
@@ -1695,8 +1679,7 @@ def judge_prompt(question: str, answer: str, ground_truth: str) -> str:
 
 def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None
                   ) -> tuple[list[float], int]:
-    """Rewards for a batch, and how many fell back to the rule. Without an engine: the rule alone.
-    With one: its structured verdict, except where it fails to give one (then the rule, counted)."""
+    """Rewards, and how many fell back to the rule: the engine's verdict where it gives one, else the rule."""
     rule = [rule_reward(a, t) for a, t in zip(answers, truths)]
     if engine is None:
         return rule, 0
@@ -1720,12 +1703,9 @@ def group_members(group_ids) -> list[list[int]]:
 
 
 def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
-    """One advantage per sample: its reward minus its group's mean, scaled.
-
-    scale='group': divide by the group's unbiased std (GRPO, verl); 'batch': by the std of ALL rewards in the
-    batch (TRL's; less noisy for small G); 'none': centred only (Dr. GRPO). A group whose rewards are all equal
-    carries no signal: its advantages are exactly 0, not 0/eps noise; so are a lone sample's (verl: its reward).
-    """
+    """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
+    rewards ('batch': TRL; less noisy for small G) or 1 ('none': Dr. GRPO). A group of equal rewards, or a lone sample,
+    carries no signal: exactly 0, not 0/eps noise (verl gives a lone sample its reward)."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     r_N = torch.as_tensor(rewards, dtype=torch.float32)
@@ -1753,14 +1733,11 @@ def zero_std_frac(rewards, group_ids) -> float:
 
 
 def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
-    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch.
-
+    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
     'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
     'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
     'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
-    traj_ids: the trajectory of each row (any hashable ids); without them every row is its own trajectory,
-    so 'turn' equals 'seq-mean-token-mean'.
-    """
+    traj_ids: each row's trajectory (any hashable ids); without them 'turn' equals 'seq-mean-token-mean'."""
     mask_BA = mask.float()
     per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
     if agg == "token-mean":
@@ -1830,7 +1807,6 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"[model] dequantising {path.name} once into {folder}")
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     del loaded.config.quantization_config
     model = AutoModelForCausalLM.from_config(loaded.config)
@@ -1838,7 +1814,7 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent))
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
     try:
         tmp.rename(folder)  # written aside, then renamed: a crash never leaves half a folder
     except OSError:  # another process converted it first
@@ -1867,24 +1843,20 @@ def resolve_model(name: str) -> str:
 
 
 def load_base(cfg: Config, device: str):
-    """The policy's base model and tokenizer: the tiny random one, or an HF checkpoint, folder or GGUF file
-    (bf16 on GPU, 4-bit NF4 with bitsandbytes for QLoRA)."""
+    """The policy's base model and tokenizer: tiny, or an HF id, folder or GGUF (bf16 on GPU; QLoRA: 4-bit NF4)."""
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed)
         return model.to(device), tokenizer
     name = resolve_model(cfg.model)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
     if cfg.load_in_4bit:
         if device != "cuda":
             raise SystemExit("error: --load-in-4bit needs a CUDA GPU (bitsandbytes 4-bit kernels)")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
+        kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
-        kwargs["device_map"] = {"": 0}
+            bnb_4bit_compute_dtype=torch.bfloat16))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
@@ -1897,8 +1869,7 @@ def load_base(cfg: Config, device: str):
 
 
 def load_policy(cfg: Config, device: str, *, trainable: bool):
-    """Base + LoRA. trainable=True: a fresh adapter (or --adapter to continue from); else --adapter for
-    inference, or the bare base model when there is none."""
+    """Base + LoRA: --adapter when given (trainable or not), else a fresh adapter to train, else the bare base."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     model, tokenizer = load_base(cfg, device)
@@ -1943,9 +1914,7 @@ def make_judge(cfg: Config, fixed: Engine) -> Optional[Engine]:
 
 
 def build_system(cfg: Config, device: str, *, trainable: bool):
-    """Everything a rollout needs: the policy and its tokenizer, the frozen roles' engine and the tools. The frozen
-    roles run on a remote OpenAI-compatible server when --fixed-base-url is set, else on the policy's own base
-    weights with the adapter off (no server, no second copy of the model)."""
+    """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off) and tools."""
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
     fixed = remote_engine(cfg, "--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model,
                           cfg.fixed_max_tokens) if cfg.fixed_base_url \
@@ -1962,8 +1931,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
 
 
 def ensure_sample_data(cfg: Config) -> None:
-    """A preset's data, built offline on first use by prepare_data.py (--sample; --arithmetic with seed 42, so
-    every run holds out the same questions) - only at the preset's own paths, never over a file the user named."""
+    """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
     own = PRESETS.get(cfg.preset, {})
     missing = [p for p, key in ((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))
                if p == own.get(key) and not Path(p).exists()]
@@ -1980,8 +1948,7 @@ def ensure_sample_data(cfg: Config) -> None:
 
 @dataclass
 class DataStream:
-    """Deterministic pass over the training questions: a fresh seeded shuffle per epoch. Its whole state is
-    (epoch, pos), saved in checkpoints so a resumed run draws exactly the questions it would have drawn."""
+    """A seeded shuffle per epoch; its whole state (epoch, pos) is in checkpoints, so a resume draws the same."""
     n: int
     seed: int
     epoch: int = 0
@@ -1994,8 +1961,7 @@ class DataStream:
             order = list(range(self.n))
             random.Random(self.seed + self.epoch).shuffle(order)
             take = order[self.pos:self.pos + size - len(out)]
-            out += take
-            self.pos += len(take)
+            out, self.pos = out + take, self.pos + len(take)
             if self.pos >= self.n:
                 self.epoch, self.pos = self.epoch + 1, 0
         return out
@@ -2014,8 +1980,7 @@ class Row:
 
 
 def build_rows(states: list[AgentState], advantages: torch.Tensor) -> list[Row]:
-    """Flatten trajectories into turn-rows; every turn gets its trajectory's advantage (Flow-GRPO's broadcast).
-    Groups whose advantage is 0 still contribute their KL term."""
+    """Trajectories -> turn-rows with their trajectory's advantage (Flow-GRPO's broadcast); A = 0 rows still add KL."""
     turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
     return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(advantages[i]),
                 traj_id=i) for i, s in turns]
@@ -2050,8 +2015,7 @@ def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_siz
 
 
 def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
-    """Accumulate the gradient of ONE minibatch over micro-batches, exactly: the aggregation weights are computed
-    for the whole minibatch and sliced per micro-batch, so the micro losses and gradients add up to the big batch's.
+    """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
     Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
     all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
     total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
@@ -2060,7 +2024,7 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
                                                      [r.action_ids for r in chunk], temperature=cfg.temperature))
         dev = logp_BA.device
-        # None (see fill_old_and_ref): this forward IS pi_old / no KL term - detached copies give ratio 1, KL 0
+        # None: this forward IS pi_old (one pass) / there is no KL term - detached copies give ratio 1, KL 0
         old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
         ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
         adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
@@ -2077,9 +2041,8 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
-    sampler's log-probs; 'recompute' = the update's own code (the first ratio is 1 up to float noise), and with ONE
-    pass (ppo_epochs == num_minibatches == 1) the update's forward IS pi_old: old_logp stays None, a pass saved.
-    pi_ref (adapter off) is needed only for a KL term."""
+    sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
+    the update's forward IS pi_old: old_logp stays None. pi_ref (adapter off): only for a KL term."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if cfg.old_logprobs == "captured":
         for r in rows:
@@ -2133,9 +2096,7 @@ def make_optimizer(model, cfg: Config):
 
 
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, cfg: Config) -> Path:
-    """checkpoint-<step>/: the adapter in standard peft format (adapter_config.json + adapter_model.safetensors,
-    loadable by vLLM --enable-lora) plus all a resumed run needs to go on exactly as this one would (the RNG states
-    are those step+1 starts from). Written aside and renamed: a crash mid-save never leaves half a checkpoint."""
+    """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     model.save_pretrained(tmp)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -2143,15 +2104,13 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data:
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "data": dataclasses.asdict(data), "rng": rng}, tmp / "trainer_state.pt")
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    if final.exists():
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
-    """The newest checkpoint whose three files read back whole. Our save is atomic, but a full disk or a partial
-    copy can still tear one later: it is skipped with one line."""
+    """The newest checkpoint whose three files read back whole (a full disk or a partial copy can tear one)."""
     from safetensors.torch import load_file
 
     found = [p for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
@@ -2184,8 +2143,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -
     return int(state["step"])
 
 
-# The flags that may differ on --resume: they change how long the run goes (max_steps: the cosine decay then
-# stretches to the new end), where and how much it logs, or how fast it runs - never what a step computes.
+# The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
+# and how much it logs, how fast it runs - never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
                "device", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
                "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
@@ -2193,8 +2152,7 @@ RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "o
 
 def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
-    Never mixes two runs in one folder; refuses flags that would change the run (a new --lr: the restored optimizer
-    keeps the old one, while config.json would say new)."""
+    Never mixes two runs in one folder; refuses flags that would change the run (a restored optimizer keeps its lr)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, a read-only disk
@@ -2217,8 +2175,7 @@ def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:
-    """On resume, drop the log lines of steps after the checkpoint (they will be written again), and a last line
-    torn by a crash mid-write (it does not parse)."""
+    """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     if not path.exists():
         return
     keep = []
@@ -2231,29 +2188,29 @@ def trim_jsonl(path: Path, max_step: int) -> None:
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     """For --eval's last line and the step metrics: planner turns, plans parsed, calls asked of the executor (plans
-    naming a real tool; tool:<name> per tool), calls valid in their tool's schema, and the frozen roles' structured
-    outputs (an analysis per question, a call per request, a verdict per turn but the last allowed) and how many parsed."""
+    naming a real tool; tool:<name> per tool) and valid in their tool's schema, and the frozen roles' structured
+    outputs (an analysis per question, a call per request, a verdict per turn asked) and how many parsed."""
     c = Counter()
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
         c.update(f"tool:{t.plan.tool_name}" for t in asked)
-        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]  # none after the last turn
+        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]  # all asked
         structured = 1 + len(asked) + verdicts
         failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
         c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
-                 calls_valid=sum(t.call is not None for t in asked),
-                 tool_errors=st.stats["tool_error"], structured=structured, structured_valid=structured - failed)
+                 calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],
+                 structured=structured, structured_valid=structured - failed)
     return c
 
 
 def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
     """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
     c = agent_counts(states, tools)
-    return {"turns_per_traj": c["turns"] / max(1, c["questions"]), "plan_parse_rate": c["plans"] / max(1, c["turns"]),
-            "tool_call_valid": c["calls_valid"] / max(1, c["calls"]),
-            "tool_error_rate": c["tool_errors"] / max(1, c["turns"]),
-            "structured_valid": c["structured_valid"] / max(1, c["structured"]),
-            "tool_share": {name: c[f"tool:{name}"] / max(1, c["calls"]) for name in tools}}
+    rate = lambda part, whole: c[part] / max(1, c[whole])  # part / whole, 0 for an empty whole
+    return {"turns_per_traj": rate("turns", "questions"), "plan_parse_rate": rate("plans", "turns"),
+            "tool_call_valid": rate("calls_valid", "calls"), "tool_error_rate": rate("tool_errors", "turns"),
+            "structured_valid": rate("structured_valid", "structured"),
+            "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
 
 
 def engine_counts(*engines: Optional[Engine]) -> dict:
@@ -2292,17 +2249,14 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
 
 
 class GracefulInterrupt:
-    """First Ctrl-C: finish the current step, save a checkpoint, stop (stopping mid-update would save an adapter
-    half a step ahead of its optimizer and RNG). Second Ctrl-C: os._exit at once - no waiting for requests or tools,
-    no interpreter teardown; nothing saved is lost (logs are flushed every step, checkpoints renamed into place)."""
+    """First Ctrl-C: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer), save, stop.
+    Second: os._exit at once, waiting for no request or tool; nothing saved is lost (logs and checkpoints are whole)."""
 
     requested = False
 
-    def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread (e.g. inside some test runners): keep default behaviour
-            self._old = None
+    def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
+        main = threading.current_thread() is threading.main_thread()
+        self._old = signal.signal(signal.SIGINT, self._handler) if main else None
         return self
 
     def _handler(self, signum, frame):
@@ -2318,8 +2272,7 @@ class GracefulInterrupt:
 
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
-    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens.
-    action_logprobs reads logits of action columns only, so no prompt position can enter the loss."""
+    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens."""
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
 
 
@@ -2354,8 +2307,7 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
 
 
 def train(cfg: Config) -> Path:
-    """The main loop; returns the last checkpoint. Start-up checks first what may refuse the run (before the model
-    loads: a refusal costs nothing), then restores --resume's checkpoint, or warm-starts a fresh run by SFT."""
+    """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
@@ -2375,10 +2327,10 @@ def train(cfg: Config) -> Path:
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
 
-    bar = tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
-               dynamic_ncols=True)
-    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a") as mf, \
-            open(out_dir / "rollouts.jsonl", "a") as rf:
+    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
+            open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf, \
+            tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
+                 dynamic_ncols=True) as bar:
         for step in bar:
             batch = [data_rows[i] for i in data.next_batch(cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
@@ -2386,10 +2338,7 @@ def train(cfg: Config) -> Path:
             mf.write(json.dumps(metrics) + "\n")
             rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
                           for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
-            mf.flush()
-            rf.flush()
             if 0 < metrics["engine_requests"] == metrics["engine_failures"]:  # the server is down: stop, do not save
-                bar.close()
                 raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
                                  f"(see the lines above); stopped - once the server is back, continue with --resume")
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
@@ -2399,15 +2348,13 @@ def train(cfg: Config) -> Path:
             if interrupt.requested:
                 log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
                 break
-    bar.close()
     return last
 
 
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
-                       lr: float = 2e-2, show: Optional[Callable[[int, float], None]] = None) -> list[float]:
-    """Train the tiny model on a single-turn toy task - answer with digits, reward = the share of digits in the action -
-    and return the mean reward per step. Sampling, advantages, loss and update are the trainer's own functions, so a
-    rising curve means the whole update path has the right sign and scale: the learning test and the README's curve.
+                       lr: float = 2e-2) -> list[float]:
+    """The tiny model on a one-turn toy task (reward = the share of digits in the action): mean reward per step. The
+    trainer's own sampling, advantages, loss and update, so a rising curve shows the update's sign and scale are right.
     lr 2e-2: at 5e-2 a seed at 1.00 could fall back (all advantages 0: Adam scales up the tiny KL gradient)."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
@@ -2426,13 +2373,10 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         adv_B = group_advantages(rewards, [i // group for i in range(len(samples))])
         rows = [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a),
                     traj_id=i) for i, (s, a) in enumerate(zip(samples, adv_B))]
-        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="old_logp")
-        fill_logprobs(model, rows, temperature=cfg.temperature, micro_batch_size=len(rows), attr="ref_logp", base=True)
+        fill_old_and_ref(model, rows, cfg)
         update_policy(model, optimizer, rows, cfg, step)
         scheduler.step()
         curve.append(sum(rewards) / len(rewards))
-        if show:
-            show(step, curve[-1])
     return curve
 
 
@@ -2449,8 +2393,7 @@ def build_agent(cfg: Config, device: str):
 
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
-    """Greedy solve of the validation set. The LAST stdout line says what happened, in counts:
-    eval: accuracy A/N, plans parsed P/T, tool calls valid V/C, structured outputs valid F/R"""
+    """Greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
     from tqdm import tqdm
 
     rows = load_questions(cfg.val_file, cfg.eval_limit)
@@ -2476,77 +2419,13 @@ def ask(cfg: Config, device: str) -> AgentState:
     _, _, fixed, tools, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
-    print(format_trajectory(st))
-    print(f"ANSWER: {extract_answer(st.final_output)}")
+    print(format_trajectory(st), f"ANSWER: {extract_answer(st.final_output)}", sep="\n")
     return st
 
 
-def _slow_openai_server(delay_s: float):
-    """A 127.0.0.1 stand-in for an OpenAI-compatible server that answers every request after delay_s, as a
-    remote model would. Returns (base_url, server); server.shutdown() stops it."""
-    import http.server
-
-    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}).encode()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            time.sleep(delay_s)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)  # HTTP/1.0: the connection closes after it, so no Content-Length is needed
-
-        log_message = lambda self, *args: None  # keep the benchmark's output clean
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/v1", server
-
-
-def _update_memory_probe(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
-    """(In a fresh process: peak RSS never goes down.) Peak RSS growth in MB of one forward+backward that yields
-    an action's log-probs: 'naive' = full-sequence logits and log-softmax, 'ours' = action_logprobs."""
-    def status_mb(key: str) -> float:  # VmRSS now, VmHWM peak
-        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
-
-    model = build_tiny_model()[0]
-    model.resize_token_embeddings(vocab, mean_resizing=False)  # a real vocabulary: where the logits cost memory
-    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
-    base_mb = status_mb("VmRSS")
-    if mode == "naive":
-        logp_PV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
-        logp = logp_PV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
-    else:
-        logp = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
-    logp.sum().backward()
-    return status_mb("VmHWM") - base_mb
-
-
-def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
-    """Useful tokens/s (actions up to their first stop token) of sample_actions and of transformers' generate()
-    under the same law (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
-    stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
-    model.eval()  # the update before left it in training mode
-    t0 = time.perf_counter()
-    sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
-    t1 = time.perf_counter()
-    tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
-    t2 = time.perf_counter()
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0,
-                         max_new_tokens=n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
-    gen_tokens = sum(next((i + 1 for i, t in enumerate(row) if t in stops), len(row))  # up to the first stop
-                     for row in new[:, enc["input_ids"].shape[1]:].tolist())
-    loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)
-    prefill, decode = t1 - t0, max(0.0, t2 - t1 - (t1 - t0))  # decode = the n-token run minus its prefill
-    print(f"planner sampling: loop {loop:.1f} tok/s (prefill {prefill:.2f}s, decode {decode:.2f}s) vs generate() "
-          f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
-
-
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> tuple[dict, list]:
-    """Part (a) of benchmark(): seconds per mode, and the distinct planner prompts of the lockstep run."""
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> list[str]:
+    """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
+    trajectory at a time, same questions, engines and seed; returns the lockstep run's distinct planner prompts."""
     fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
     fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
     seconds = {}
@@ -2555,15 +2434,12 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         torch.manual_seed(cfg.seed)
         t: dict[str, float] = {}
         generated.clear()
-        fixed.dedup = mode != "unshared"  # "unshared": duplicate prompts generated and prefilled again
+        fixed.dedup = mode != "unshared"
+        runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
         with timed(t, "seconds"):
-            if mode == "sequential":
-                states = [st for q in questions for _ in range(group)
-                          for st in rollout(model, tokenizer, [q], group_size=1, timings=t, **kw)]
-            else:
-                states = rollout(model, tokenizer, questions, group_size=group, timings=t,
-                                 share_prefill=mode == "lockstep", **kw)
-        if mode == "lockstep":  # one update on this batch, to show its share of a training step
+            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, group_size=g, timings=t,
+                                                             share_prefill=mode == "lockstep", **kw)]
+        if mode == "lockstep":  # and one update on its turns: their share of a training step
             rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
                                                        [i // group for i in range(len(states))]))
             with timed(t, "update"):
@@ -2575,47 +2451,96 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
         seconds[mode] = t["seconds"]
-    return seconds, prompts
+    print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
+          f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
+    return prompts
+
+
+def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
+    """Useful tokens/s (up to the first stop token) of sample_actions vs transformers' generate() under the same law
+    (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
+    stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
+    t0 = time.perf_counter()
+    sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
+    t1 = time.perf_counter()
+    tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
+    t2 = time.perf_counter()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0,
+                         max_new_tokens=n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+    gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
+                     for row in new[:, enc["input_ids"].shape[1]:].tolist())
+    loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)  # decode = the n-token run - its prefill
+    print(f"planner sampling, {len(prompts)} distinct prompts: loop {loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode "
+          f"{max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
+
+
+def _remote_speedup(group: int) -> None:
+    """G calls to a 127.0.0.1 OpenAI-compatible stand-in answering after 100 ms: concurrent vs one after another."""
+    import http.server
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(0.1)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()  # HTTP/1.0: the connection closes after the body, so no Content-Length is needed
+            self.wfile.write(b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}')
+
+        log_message = lambda self, *args: None  # keep the benchmark's output clean
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    remote = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", "stand-in", workers=group)
+    prompts, t = [f"question {i}" for i in range(group)], {}
+    try:
+        remote.generate(prompts[:1])  # warm-up: connection set-up
+        with timed(t, "concurrent"):
+            remote.generate(prompts)
+        with timed(t, "sequential"):
+            for p in prompts:
+                remote.ask(p)
+    finally:
+        server.shutdown()
+    print(f"remote concurrency speedup: {t['sequential'] / t['concurrent']:.1f}x ({group} calls of 100 ms: concurrent "
+          f"{t['concurrent']:.2f}s, one after another {t['sequential']:.2f}s)")
+
+
+def _update_memory_probe(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
+    """Peak RSS growth in MB of one forward+backward giving an action's log-probs at a real vocabulary size ('naive':
+    full-sequence logits and log-softmax; 'ours': action_logprobs). In a fresh process: peak RSS never goes down."""
+    def rss_mb(key: str) -> float:  # VmRSS now, VmHWM peak
+        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
+
+    model = build_tiny_model()[0]
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
+    base_mb = rss_mb("VmRSS")
+    if mode == "naive":
+        logp_LV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
+        logp_A = logp_LV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
+    else:
+        logp_A = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
+    logp_A.sum().backward()
+    return rss_mb("VmHWM") - base_mb
 
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """Measure what lockstep batching, sharing and concurrency buy, and the memory of the update:
-    (a) the same questions, G trajectories each, same engines, seed, turns and token limits: lockstep (the trainer's
-        rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one trajectory at a time;
-    (b) the planner's sampling loop vs transformers' generate() on the distinct planner prompts of (a);
-    (c) G remote calls to a stand-in server that answers after 100 ms: concurrent vs one after another;
-    (d) peak memory of the log-probs' forward+backward at a real vocabulary size, naive vs action_logprobs."""
+    """--benchmark, the README's performance table: rollouts lockstep vs unshared vs sequential, the sampling loop vs
+    generate() on their planner prompts, remote concurrency, and the update's memory (naive vs action_logprobs)."""
     import multiprocessing
 
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
     kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
               max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
-    log("benchmark: warm-up rollout")
     rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")
-    s, prompts = _time_rollouts(cfg, model, tokenizer, questions, group, kw)
-    print(f"rollout speedup: {s['sequential'] / s['lockstep']:.1f}x (lockstep vs sequential), "
-          f"{s['unshared'] / s['lockstep']:.1f}x (vs nothing shared)")
-    log(f"benchmark: sampling loop vs generate() on {len(prompts)} distinct planner prompts")
-    _sampling_speed(model, tokenizer, prompts, cfg)
-
-    url, server = _slow_openai_server(0.1)
-    try:
-        remote, prompts = OpenAIEngine(url, "stand-in", workers=group), [f"question {i}" for i in range(group)]
-        remote.generate(prompts[:1])  # warm-up: connection set-up
-        t0 = time.perf_counter()
-        remote.generate(prompts)
-        t1 = time.perf_counter()
-        for p in prompts:
-            remote.ask(p)
-        t2 = time.perf_counter()
-    finally:
-        server.shutdown()
-    print(f"  remote: {group} calls of 100 ms: concurrent {t1 - t0:.2f}s, one after another {t2 - t1:.2f}s")
-    print(f"remote concurrency speedup: {(t2 - t1) / (t1 - t0):.1f}x")
-
+    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, kw), cfg)
+    _remote_speedup(group)
     try:  # max_tasks_per_child=1: each probe in a fresh process
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                                     max_tasks_per_child=1) as pool:
@@ -2661,8 +2586,7 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
 
 
 def plot_run(cfg: Config) -> list[dict]:
-    """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir, as a text
-    table, and curve.png."""
+    """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir: a table, curve.png."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
@@ -2692,14 +2616,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device == "cpu" and cfg.device == "auto" and cfg.model != "tiny":  # no silent fallback: 1.5B on CPU crawls
         raise SystemExit(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
                          f"--preset smoke (or force --device cpu)")
-    if cfg.preset:
-        ensure_sample_data(cfg)
-    if cfg.ask:
-        ask(cfg, device)
-    elif cfg.eval:
-        evaluate(cfg, device)
-    elif cfg.benchmark:
-        benchmark(cfg, device)
+    ensure_sample_data(cfg)  # a preset's offline data, on first use
+    if cfg.ask or cfg.eval or cfg.benchmark:
+        (ask if cfg.ask else evaluate if cfg.eval else benchmark)(cfg, device)
     else:
         train(cfg)
     return 0

@@ -1494,7 +1494,7 @@ class CountingRoles(fg.Engine):
     """Each frozen role by its prompt's opening; 'bad?' gets an unparseable tool call, 'junk?' an unparseable verdict."""
     ROLES = {"You are the analyst": '{"concise_summary": "s", "required_skills": "r", "relevant_tools": "t"}',
              "You are the executor": '{"tool_name": "Echo_Tool", "arguments": {"query": "q"}}',
-             "You are the verifier": '{"analysis": "x", "stop_signal": true}', "Answer the question": "<answer>144</answer>"}
+             "You are the verifier": '{"analysis": "x", "stop_signal": true}', "Steps taken so far": "<answer>144</answer>"}
 
     def _complete(self, prompts, max_tokens, schema):
         return ["not json" if ("bad?" in p and "executor" in p[:20]) or ("junk?" in p and "verifier" in p[:20])
