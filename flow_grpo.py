@@ -34,10 +34,9 @@ WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO
   Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
   9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
 
-SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan by itself, and a group without one has no
-reward variance to learn from. --sft-steps N first fits the planner by cross-entropy on action tokens (the same
-action_logprobs, its own AdamW) to format-only plans whose tool is drawn uniformly; GRPO then starts from that
-adapter (checkpoint-0) and learns WHICH tool from reward.
+SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance.
+--sft-steps N first fits the planner by cross-entropy on action tokens (action_logprobs, its own AdamW) to
+format-only plans with a random tool; GRPO starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
 
 HOW TO RUN
     python prepare_data.py                          # data/train/combined_train.parquet + data/val/aime24.parquet
@@ -49,22 +48,18 @@ HOW TO RUN
     python -m pytest -q                                # the tests (CPU, offline)
 
 DELIBERATE SIMPLIFICATIONS (and why)
-  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run
-    on the *frozen base* of the policy (adapter off), in-process: no server needed. --fixed-base-url points them
-    at a vLLM/OpenAI server with a bigger model, as the paper does.
-  * Rollouts use our own sampling loop, not model.generate() or vLLM: it samples exactly softmax(logits / T), so
-    the stored log-probs are the behaviour policy's (generate() silently applies top-k, top-p and repetition
-    penalty from the hub config). At scale, sample with vLLM and use --old-logprobs recompute (the default).
+  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
+    the policy's *frozen base* (adapter off), in-process; --fixed-base-url sends them to a bigger model's server.
+  * Rollouts sample exactly softmax(logits / T) in our own loop, so the stored log-probs are the behaviour policy's
+    (generate() applies the hub config's top-k/top-p/penalties). At scale: vLLM and --old-logprobs recompute.
   * The rule judge (answer extraction, exact numbers, normalised text, math-verify) is the default reward; an
     LLM judge is optional and falls back to the rule whenever it fails.
   * The frozen roles decode under their JSON schema (llguidance in-process, response_format on a server); the
     planner never does: its log-probs must be those of the distribution it samples from.
-  * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so the ratio pi/pi_old
-    would not be 1 before any update and the clip would fire on noise.
-  * The executor emits a JSON tool call validated against the tool's input schema; model-written code only
-    ever runs in a sandboxed subprocess (run_python), never in this process.
-  * The original article's Google search tool needs a proprietary SDK and is left out; Wikipedia and web-page
-    RAG are included, ranked with BM25 (no API key needed).
+  * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so pi/pi_old would not be 1
+    before any update and the clip would fire on noise.
+  * The executor emits a JSON tool call validated against the tool's input schema; model-written code only runs
+    in a sandboxed subprocess (run_python). No Google search (a proprietary SDK): Wikipedia and web-page RAG, BM25.
 """
 
 from __future__ import annotations
@@ -287,19 +282,15 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     if 0 <= start < end:
         candidates.append(text[start:end + 1])
     for cand in candidates:  # strict first: cheap, and never "repairs" valid JSON into something else
-        try:
+        with contextlib.suppress(Exception):
             return schema.model_validate_json(cand.strip())
-        except Exception:
-            pass
     for cand in candidates[1:] + [text[start:] if start >= 0 else text]:
-        try:
+        with contextlib.suppress(Exception):
             obj = json_repair.loads(cand)  # already a Python object: no json.loads after it
             if isinstance(obj, list):  # "[{...}]": a model that wrapped its object in a list
                 obj = next((o for o in obj if isinstance(o, dict)), None)
             if isinstance(obj, dict):
                 return schema.model_validate(obj)
-        except Exception:
-            pass
     return None
 
 
@@ -336,28 +327,34 @@ class Engine:
         raise NotImplementedError
 
 
+def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore] = None) -> concurrent.futures.Future:
+    """fn() in a daemon thread (once one of `slots` is free): its Future. Python cannot kill a thread but can stop
+    waiting for one, and a daemon never blocks exit (a ThreadPoolExecutor's threads are joined there)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work() -> None:
+        with slots or contextlib.nullcontext():
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # re-raised by future.result(), in the waiting thread
+                future.set_exception(e)
+
+    threading.Thread(target=work, daemon=True).start()
+    return future
+
+
 def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semaphore, timeout_s: float, what: str,
                    progress_s: float = 30.0) -> list:
-    """[fn(item) for item in items] in daemon threads (a ThreadPoolExecutor's are joined at exit), at most `slots` at
-    once; a call not done within timeout_s in all gives None. A long wait logs progress: slow, not a silent stall."""
-    futures = [concurrent.futures.Future() for _ in items]
-
-    def work(item: Any, future: concurrent.futures.Future) -> None:
-        with slots:
-            try:
-                future.set_result(fn(item))
-            except Exception:  # fn should not raise; if it does, that call gives None as well
-                future.set_result(None)
-
-    for item, f in zip(items, futures):
-        threading.Thread(target=work, args=(item, f), daemon=True).start()
+    """[fn(item) for item in items] in daemon threads, at most `slots` at once; a call that raises or is not done
+    within timeout_s in all gives None. A long wait logs progress: slow, not a silent stall."""
+    futures = [in_daemon_thread(functools.partial(fn, item), slots) for item in items]
     t0, pending = time.monotonic(), futures
     while pending and (left := t0 + timeout_s - time.monotonic()) > 0:
         done, pending = concurrent.futures.wait(futures, timeout=min(left, progress_s))
         if pending:
             log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
                 f"(the rest is abandoned at {timeout_s:.0f} s)")
-    return [f.result() if f.done() else None for f in futures]
+    return [f.result() if f.done() and not f.exception() else None for f in futures]
 
 
 STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a server that refuses one gets the next
@@ -398,11 +395,10 @@ class OpenAIEngine(Engine):
             mode = self.mode if schema is not None else "prompt"
             request = dict(model=self.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                            temperature=self.temperature)
-            if mode == "json_schema":
-                request["response_format"] = {"type": "json_schema", "json_schema": {
-                    "name": re.sub(r"[^\w-]", "_", schema.__name__)[:64], "schema": schema.model_json_schema()}}
-            elif mode == "json_object":  # the schema beside it: llama.cpp's servers decode under it, others ignore it
-                request["response_format"] = {"type": "json_object", "schema": schema.model_json_schema()}
+            if mode != "prompt":  # json_object carries the schema too: llama.cpp's servers decode under it
+                name, spec = re.sub(r"[^\w-]", "_", schema.__name__)[:64], schema.model_json_schema()
+                request["response_format"] = ({"type": mode, "schema": spec} if mode == "json_object" else
+                                              {"type": mode, "json_schema": {"name": name, "schema": spec}})
             try:
                 text = self._client.chat.completions.create(**request).choices[0].message.content
                 return text if isinstance(text, str) else self._failed("no text", "a reply without text")
@@ -871,19 +867,9 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs), or TimeoutError after timeout_s. Python cannot kill a thread but can stop waiting for
-    one: the call runs in a daemon thread, abandoned until its socket returns (a daemon never blocks exit)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def worker() -> None:
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # re-raised by future.result(), in the caller's thread
-            future.set_exception(e)
-
-    threading.Thread(target=worker, daemon=True).start()
+    """fn(*args, **kwargs), or TimeoutError after timeout_s (its thread is abandoned until its socket returns)."""
     try:
-        return future.result(timeout=timeout_s)
+        return in_daemon_thread(lambda: fn(*args, **kwargs)).result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"timed out after {float(timeout_s)} s") from None
 
