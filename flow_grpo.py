@@ -135,7 +135,7 @@ class Config:
     judge_base_url: str = arg("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
     judge_model: str = arg("", "model name of the LLM judge")
     api_key_env: str = arg("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
-    embed_base_url: str = arg("", "OpenAI-compatible embeddings URL to rank web passages (empty = BM25, no key)")
+    embed_base_url: str = arg("", "OpenAI-compatible embeddings URL to rank RAG passages (empty = BM25, no key)")
     embed_model: str = arg("", "embeddings model name at --embed-base-url")
     request_timeout_s: float = arg(60.0, "timeout of one remote request (a timed-out request is not retried)")
     device: str = arg("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
@@ -929,25 +929,21 @@ def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: s
     return sorted(range(len(chunks)), key=lambda i: (-cosines[i], i))[:k]
 
 
-def _grounded_prompt(query: str, source: str, passages: list[str], if_unanswered: str = "say so") -> str:
-    """The RAG tools' prompt: answer from the passages only, numbered so the answer can refer to them."""
-    numbered = "\n\n".join(f"[{i}] {p}" for i, p in enumerate(passages, start=1))
-    return (f"Answer the query using ONLY the passages below from {source}. Keep exact names, numbers and dates. "
-            f"If the passages do not answer the query, {if_unanswered}.\n\n"
-            f"Query: {query}\n\nPassages:\n{numbered}\n\nAnswer:")
-
-
 # --- Tool base class
 
 class Tool:
-    """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). Every
-    tool takes timeout_s (wall clock outside the LLM: sandbox, network) and max_tokens (its LLM replies)."""
+    """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). The
+    knobs (these two, a subclass's own) are class defaults that keyword options override: Tool(engine, top_k=1)."""
     name = description = limitations = tips = ""
     input_model: type[BaseModel] = BaseModel
+    timeout_s: float = 10.0  # wall clock of what runs outside the LLM: sandbox, network
+    max_tokens: Optional[int] = None  # of its LLM replies (None: the engine's limit)
 
-    def __init__(self, engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None):
+    def __init__(self, engine: Engine, **options: Any):
         self.engine = engine  # the LLM this tool uses (may differ from the planner's)
-        self.timeout_s, self.max_tokens = timeout_s, max_tokens
+        if unknown := [k for k in options if not hasattr(type(self), k)]:  # a misspelt option must not pass silently
+            raise TypeError(f"{type(self).__name__} has no option(s) {unknown}")
+        vars(self).update(options)
 
     def describe(self) -> str:
         """The whole contract in a few lines of prompt: name, description, input fields, limitations, tips."""
@@ -984,6 +980,28 @@ def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
     return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
                         tool_name=(Literal[name], Field(description=f'exactly "{name}"')),
                         arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
+
+
+class RAGTool(Tool):
+    """Retrieval: a text -> overlapping word windows -> the top_k best -> an answer written from them only."""
+    top_k, chunk_size, chunk_overlap = 4, 150, 20  # passages kept, words per window, words shared by neighbours
+    embed_client: Any = None  # an openai.OpenAI client: rank by embeddings (else BM25)
+    embed_model: Optional[str] = None
+
+    def rank(self, query: str, chunks: list[str]) -> list[int]:
+        """Embeddings if configured, else BM25, also when they fail: an outage must not be charged to the planner."""
+        if self.embed_client is not None and self.embed_model:
+            with contextlib.suppress(Exception):
+                return embedding_top_k(query, chunks, self.top_k, self.embed_client, self.embed_model)
+        return bm25_top_k(query, chunks, self.top_k)
+
+    def grounded_prompt(self, query: str, text: str, source: str, if_unanswered: str = "say so") -> str:
+        """Answer from the best passages of `text` only, numbered so that the answer can refer to them."""
+        chunks = chunk_words(text, self.chunk_size, self.chunk_overlap)
+        numbered = "\n\n".join(f"[{n}] {chunks[i]}" for n, i in enumerate(self.rank(query, chunks), start=1))
+        return (f"Answer the query using ONLY the passages below from {source}. Keep exact names, numbers and dates. "
+                f"If the passages do not answer the query, {if_unanswered}.\n\n"
+                f"Query: {query}\n\nPassages:\n{numbered}\n\nAnswer:")
 
 
 # --- Generalist: the LLM itself, answering step by step
@@ -1066,7 +1084,7 @@ def _fetch_wikipedia_page(title: str) -> dict:
         return {"title": title, "error": _short_error(e)}
 
 
-class WikipediaTool(Tool):
+class WikipediaTool(RAGTool):
     name = "Wikipedia_RAG_Search_Tool"
     description = ("Searches English Wikipedia, reads up to 3 relevant pages and returns, for each, a summary "
                    "written only from the page's most relevant passages, with its URL.")
@@ -1076,11 +1094,7 @@ class WikipediaTool(Tool):
     tips = ("Query with the entity name and the fact wanted (e.g. 'Marie Curie Nobel Prize years'). If a result "
             "is a disambiguation page, retry with one of the listed titles.")
 
-    def __init__(self, engine: Engine, *, max_pages: int = 3, top_k: int = 4, chunk_size: int = 120,
-                 chunk_overlap: int = 20, max_results: int = 10, **options: Any):
-        super().__init__(engine, **options)
-        self.max_pages, self.top_k, self.chunk_size, self.chunk_overlap = max_pages, top_k, chunk_size, chunk_overlap
-        self.max_results = max_results  # search hits offered to the engine
+    max_pages, max_results, chunk_size = 3, 10, 120  # pages read, search hits offered to the engine, words per window
 
     def _select_titles(self, query: str, candidates: list[str]) -> list[str]:
         """The candidates the engine picks (invented titles dropped), else the top search hit."""
@@ -1110,12 +1124,8 @@ class WikipediaTool(Tool):
         pages = [page or {"title": title, "error": f"timed out after {float(self.timeout_s)} s"}
                  for title, page in zip(titles, pages)]
         read = [p for p in pages if "content" in p]
-        prompts = []
-        for page in read:
-            chunks = chunk_words(page.pop("content"), self.chunk_size, self.chunk_overlap)
-            prompts.append(_grounded_prompt(query, f"the Wikipedia page '{page['title']}'",
-                                            [chunks[i] for i in bm25_top_k(query, chunks, self.top_k)],
-                                            "say so and summarise what relevant information they do contain"))
+        prompts = [self.grounded_prompt(query, p.pop("content"), f"the Wikipedia page '{p['title']}'",
+                                        "say so and summarise what relevant information they do contain") for p in read]
         for page, summary in zip(read, self.engine.generate(prompts, max_tokens=self.max_tokens) if read else []):
             page["summary"] = summary
         return {"query": query, "pages": pages}
@@ -1170,7 +1180,7 @@ def page_text(body: bytes, content_type: str) -> str:
     return " ".join(text.split())
 
 
-class WebRAGTool(Tool):
+class WebRAGTool(RAGTool):
     name = "Web_RAG_Search_Tool"
     description = ("Reads the web page at a given URL and answers a question using only the page's most relevant "
                    "passages.")
@@ -1179,18 +1189,7 @@ class WebRAGTool(Tool):
                    "JavaScript-rendered content, PDFs or images.")
     tips = "Use when the task gives a URL or you know the exact page; ask one specific question about that page."
 
-    def __init__(self, engine: Engine, *, max_bytes: int = 2_000_000, top_k: int = 4, chunk_size: int = 150,
-                 chunk_overlap: int = 20, embed_client: Any = None, embed_model: Optional[str] = None, **options: Any):
-        super().__init__(engine, **options)
-        self.max_bytes, self.top_k, self.chunk_size, self.chunk_overlap = max_bytes, top_k, chunk_size, chunk_overlap
-        self.embed_client, self.embed_model = embed_client, embed_model  # optional dense retrieval
-
-    def rank(self, query: str, chunks: list[str]) -> list[int]:
-        """Embeddings if configured, else BM25, also when they fail: an outage must not be charged to the planner."""
-        if self.embed_client is not None and self.embed_model:
-            with contextlib.suppress(Exception):
-                return embedding_top_k(query, chunks, self.top_k, self.embed_client, self.embed_model)
-        return bm25_top_k(query, chunks, self.top_k)
+    max_bytes = 2_000_000  # of a response body read at most
 
     def run(self, args: WebRAGInput) -> Any:  # the answer text, or {"error": ...}
         parts = urllib.parse.urlsplit(args.url.strip())
@@ -1201,11 +1200,9 @@ class WebRAGTool(Tool):
                                                    self.max_bytes)
         except Exception as e:
             return {"error": f"could not fetch {args.url}: {_short_error(e)}"}
-        chunks = chunk_words(page_text(body, content_type), self.chunk_size, self.chunk_overlap)
-        if not chunks:
+        if not (text := page_text(body, content_type)):
             return {"error": f"no readable text at {args.url}"}
-        passages = [chunks[i] for i in self.rank(args.query, chunks)]
-        return str(self.engine.ask(_grounded_prompt(args.query, f"the web page {args.url}", passages),
+        return str(self.engine.ask(self.grounded_prompt(args.query, text, f"the web page {args.url}"),
                                    max_tokens=self.max_tokens))
 
 
@@ -1216,11 +1213,12 @@ TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, Wikip
 
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None) -> dict[str, Tool]:
-    """Tools by name, each with the options every tool takes (the embeddings only go to the web tool)."""
+    """Tools by name, each with the options every tool takes; the retrieval tools also get the embeddings."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
-    web = {WebRAGTool.name: {"embed_client": embed_client, "embed_model": embed_model}}
-    return {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **web.get(n, {})) for n in names}
+    rag = {"embed_client": embed_client, "embed_model": embed_model}
+    return {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens,
+                               **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
 
 
 # =====================================================================================================
