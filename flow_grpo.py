@@ -523,10 +523,6 @@ class SchemaMask:
         return scores_BV
 
 
-# One generation at a time: the adapter switch (on: planner, off: fixed roles) is state of the one shared model.
-_GENERATION_LOCK = threading.Lock()
-
-
 class LocalEngine(Engine):
     """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
@@ -534,6 +530,7 @@ class LocalEngine(Engine):
     serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
 
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to a third of the token limit
+    _generation_lock = threading.Lock()  # for all instances: the adapter switch is state of the one shared model
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
@@ -548,13 +545,13 @@ class LocalEngine(Engine):
         with self._queue_lock:
             self._queue.append((prompts, max_tokens, [schema] * len(prompts), mine))
         while not mine.done():  # poll, so that a caller served by another thread returns at once
-            if _GENERATION_LOCK.acquire(timeout=0.005):
+            if self._generation_lock.acquire(timeout=0.005):
                 try:
                     with self._queue_lock:
                         queued, self._queue = self._queue, []
                     self._serve(queued)
                 finally:
-                    _GENERATION_LOCK.release()
+                    self._generation_lock.release()
         return mine.result()
 
     def _serve(self, queued: list) -> None:
@@ -564,15 +561,14 @@ class LocalEngine(Engine):
             group = [q for q in queued if q[1] == limit]
             try:
                 flat = iter(self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]]))
+                for prompts, _, _, future in group:
+                    future.set_result([next(flat) for _ in prompts])
             except Exception as e:
                 if len(group) == 1:
                     group[0][3].set_exception(e)  # its caller re-raises it, in its own thread
                 else:
                     for q in group:
                         self._serve([q])
-                continue
-            for prompts, _, _, future in group:
-                future.set_result([next(flat) for _ in prompts])
 
     def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
         """Greedy texts, row i decoded under schemas[i] if not None; left-padded: generation appends on the right."""
@@ -969,8 +965,11 @@ class Tool:
         return self.run(args)
 
 
-class _ToolInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelled key ("querry") is named, not dropped then "missing"
+def tool_input(name: str, **fields: str) -> type[BaseModel]:
+    """A tool's input model: these non-empty strings, each described to the executor. extra="forbid": a misspelt key
+    ("querry") is named, not dropped and then reported missing."""
+    return create_model(name, __config__=ConfigDict(extra="forbid"),
+                        **{k: (str, Field(min_length=1, description=d)) for k, d in fields.items()})
 
 
 @functools.cache
@@ -1006,20 +1005,16 @@ class RAGTool(Tool):
 
 # --- Generalist: the LLM itself, answering step by step
 
-class GeneralistInput(_ToolInput):
-    query: str = Field(min_length=1, description="The question or sub-task to answer, with all needed context")
-
-
 class GeneralistTool(Tool):
     name = "Generalist_Solution_Generator_Tool"
     description = "Answers a question or sub-task by step-by-step reasoning with a general-purpose language model."
-    input_model = GeneralistInput
+    input_model = tool_input("GeneralistInput", query="The question or sub-task to answer, with all needed context")
     limitations = ("No internet, files or code execution; may state wrong facts confidently; unreliable at exact "
                    "arithmetic.")
     tips = ("Use for reasoning, common knowledge, planning and summarising. Put every needed fact in the query; "
             "check facts with a search tool and calculations with Python_Coder_Tool.")
 
-    def run(self, args: GeneralistInput) -> str:
+    def run(self, args: Any) -> str:
         prompt = ("Answer the query below. Reason step by step, then give the final answer on a last line that "
                   f"starts with 'Answer:'.\n\nQuery: {args.query}")
         return str(self.engine.ask(prompt, max_tokens=self.max_tokens))
@@ -1027,48 +1022,34 @@ class GeneralistTool(Tool):
 
 # --- Python coder: the LLM writes a program, the sandbox runs it
 
-def extract_python_code(reply: str) -> Optional[str]:
-    """Code of the first ```python block, else of the first bare ``` block, else None: ```bash never runs."""
-    match = (re.search(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", reply, re.DOTALL | re.IGNORECASE)
-             or re.search(r"```[ \t]*\n(.*?)```", reply, re.DOTALL))
-    return match.group(1) if match else None
-
-
-class PythonCoderInput(_ToolInput):
-    query: str = Field(min_length=1, description="A precise computation or data-processing task, "
-                                                 "including every number and value it needs")
-
-
 class PythonCoderTool(Tool):
     name = "Python_Coder_Tool"
     description = ("Writes a short Python program for a computational task, runs it in a sandbox and returns the "
                    "code and its printed output.")
-    input_model = PythonCoderInput
+    input_model = tool_input("PythonCoderInput", query="A precise computation or data-processing task, including "
+                                                       "every number and value it needs")
     limitations = ("Python standard library only; no internet, files or user input; a few seconds of run time; "
                    "the program is written by a language model and can be wrong.")
     # No example task here: SmolLM2-135M pasted one verbatim into every call.
     tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
             "with every number it needs.")
-
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
 
-    def run(self, args: PythonCoderInput) -> dict:
+    def run(self, args: Any) -> dict:
         # Short on purpose: SmolLM2-135M followed this wording (right result for 19/24 arithmetic tasks, bare
         # expressions included) far better than a list of rules (7/24). The sandbox, not the prompt, keeps it safe.
         prompt = (f"Write a Python program that prints the answer.\nTask: compute {args.query}\n"
                   "Reply with the program in one ```python block.")
-        code = extract_python_code(str(self.engine.ask(prompt, max_tokens=self.max_tokens)))
+        reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
+        code = (re.search(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", reply, re.DOTALL | re.IGNORECASE)
+                or re.search(r"```[ \t]*\n(.*?)```", reply, re.DOTALL))  # else a bare ``` block; ```bash never runs
         if code is None:
             return {"code": "", "stdout": "", "error": "the model's reply contained no ```python code block"}
-        result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars)
-        return {"code": code, "stdout": result["stdout"], "error": result["error"]}
+        result = run_python(code.group(1), self.timeout_s, self.memory_mb, self.max_output_chars)
+        return {"code": code.group(1), "stdout": result["stdout"], "error": result["error"]}
 
 
 # --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
-
-class WikipediaInput(_ToolInput):
-    query: str = Field(min_length=1, description="What to look up, e.g. an entity plus the fact wanted")
-
 
 def _fetch_wikipedia_page(title: str) -> dict:
     """{"title", "url", "content"}, or {"title", "error"}; never raises. No auto_suggest: it may load another page."""
@@ -1088,7 +1069,7 @@ class WikipediaTool(RAGTool):
     name = "Wikipedia_RAG_Search_Tool"
     description = ("Searches English Wikipedia, reads up to 3 relevant pages and returns, for each, a summary "
                    "written only from the page's most relevant passages, with its URL.")
-    input_model = WikipediaInput
+    input_model = tool_input("WikipediaInput", query="What to look up, e.g. an entity plus the fact wanted")
     limitations = ("English Wikipedia only; reads a few passages per page, so facts deep in long articles can be "
                    "missed; no very recent events.")
     tips = ("Query with the entity name and the fact wanted (e.g. 'Marie Curie Nobel Prize years'). If a result "
@@ -1107,7 +1088,7 @@ class WikipediaTool(RAGTool):
         chosen = [t for t in dict.fromkeys(selection.titles if selection is not None else []) if t in candidates]
         return chosen[:self.max_pages] or candidates[:1]
 
-    def run(self, args: WikipediaInput) -> dict:
+    def run(self, args: Any) -> dict:
         query = args.query
         if len(getattr(wikipedia.search, "_cache", ())) > 4096:  # the package memoises every search forever
             wikipedia.search.clear_cache()
@@ -1134,11 +1115,6 @@ class WikipediaTool(RAGTool):
 # --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
 # A model-chosen URL reaches whatever this host can (localhost, cloud metadata): only http(s) here; production should
 # also refuse private and loopback addresses (the tests' stand-in servers listen on loopback).
-
-class WebRAGInput(_ToolInput):
-    query: str = Field(min_length=1, description="The question to answer from the page")
-    url: str = Field(min_length=1, description="Full http(s) URL of the page to read")
-
 
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
 
@@ -1184,14 +1160,15 @@ class WebRAGTool(RAGTool):
     name = "Web_RAG_Search_Tool"
     description = ("Reads the web page at a given URL and answers a question using only the page's most relevant "
                    "passages.")
-    input_model = WebRAGInput
+    input_model = tool_input("WebRAGInput", query="The question to answer from the page",
+                             url="Full http(s) URL of the page to read")
     limitations = ("Needs an exact http(s) URL; reads only the first ~2 MB of HTML or plain text; no "
                    "JavaScript-rendered content, PDFs or images.")
     tips = "Use when the task gives a URL or you know the exact page; ask one specific question about that page."
 
     max_bytes = 2_000_000  # of a response body read at most
 
-    def run(self, args: WebRAGInput) -> Any:  # the answer text, or {"error": ...}
+    def run(self, args: Any) -> Any:  # the answer text, or {"error": ...}
         parts = urllib.parse.urlsplit(args.url.strip())
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
             return {"error": f"only http and https URLs with a host can be fetched, not '{args.url}'"}

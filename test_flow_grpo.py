@@ -539,7 +539,7 @@ def test_constrained_tool_calls_fit_each_tools_own_schema(tiny_engine):
     """The executor's schema per tool: the tool's name fixed, its own input fields, nothing else - random
     weights still give a call that the tool's input model accepts."""
     schemas = [fg.call_schema(name, cls.input_model) for name, cls in TOOL_CLASSES.items()]
-    assert fg.call_schema("Python_Coder_Tool", fg.PythonCoderInput) is schemas[1]  # built once per tool
+    assert fg.call_schema("Python_Coder_Tool", fg.PythonCoderTool.input_model) is schemas[1]  # built once per tool
     texts = tiny_engine._generate([f"Call {s.__name__}." + fg.schema_instruction(s) for s in schemas], 160, schemas)
     for (name, cls), schema, text in zip(TOOL_CLASSES.items(), schemas, texts):
         call = schema.model_validate_json(text)
