@@ -38,14 +38,11 @@ SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its group
 --sft-steps N first fits the planner by cross-entropy on action tokens (action_logprobs, its own AdamW) to
 format-only plans with a random tool; GRPO starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
 
-HOW TO RUN
-    python prepare_data.py                          # data/train/combined_train.parquet + data/val/aime24.parquet
-    python flow_grpo.py                             # train Qwen2.5-1.5B-Instruct's planner on one CUDA GPU
+HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
+    python prepare_data.py && python flow_grpo.py   # fetch the data; train Qwen2.5-1.5B-Instruct's planner on one GPU
     python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
     python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
-    python flow_grpo.py --preset smoke --max-steps 3   # offline CPU run on a tiny random model
-    python flow_grpo.py --preset cpu                   # SmolLM2-135M offline on CPU: SFT, then GRPO on arithmetic
-    python -m pytest -q                                # the tests (CPU, offline)
+    python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on arithmetic ('smoke': tiny)
 
 DELIBERATE SIMPLIFICATIONS (and why)
   * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
@@ -191,21 +188,16 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        model="tiny", device="cpu", train_file="data/sample/train/combined_train.parquet",
-        val_file="data/sample/val/aime24.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
-        batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
-        lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4,
-    ),
-    # SmolLM2 offline on 2 CPU cores learns to route arithmetic to Python. One turn: the tool choice is the decision.
-    # No KL: the reference is the base, whose plans do not parse - it would undo the SFT.
-    "cpu": dict(
-        model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
-        val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
-        batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
-        kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
-        tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu",
-    ),
+    "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
+                  train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
+                  batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
+                  lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
+    # SmolLM2 on 2 CPU cores learns to route arithmetic to Python in one turn. No KL: the base writes no parseable plan.
+    "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
+                val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
+                batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
+                kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
+                tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu"),
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
@@ -262,8 +254,7 @@ def log(msg: str) -> None:
 # =====================================================================================================
 # 3. LLM engines: one interface that returns text, or a validated pydantic object
 # =====================================================================================================
-# Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM calls, the judge) calls
-# Engine.generate(prompts, schema=None): one result per prompt; with a schema, an instance of it or None.
+# Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
 
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
@@ -357,15 +348,12 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
     return [f.result() if f.done() and not f.exception() else None for f in futures]
 
 
-STRUCTURED_MODES = ("json_schema", "json_object", "prompt")  # best first; a server that refuses one gets the next
-
-
 class OpenAIEngine(Engine):
-    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp's servers, OpenAI). Structured output: json_schema;
-    a refusal (an error body naming response_format, json_schema or json_object) steps down once, for all threads,
-    to json_object, then to the prompt alone (which always carries the schema). Requests run in threads, retried
-    with backoff on connection errors, 429 and 5xx (not on a timeout); one that fails anyway gives "" (None for a
-    schema) and counts in `failures`: one flaky call must not end a training run."""
+    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp's servers, OpenAI). Structured output steps down MODES
+    once, for all threads, at a refusal (an error body naming response_format, json_schema or json_object); the prompt
+    always carries the schema. Requests run in threads, retried with backoff on connection errors, 429 and 5xx (not on
+    a timeout); one that fails anyway gives "" (None for a schema), counted in `failures`: a run must not end there."""
+    MODES = ("json_schema", "json_object", "prompt")  # structured output, best first
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
                  phase_timeout_s: float = 300.0, max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16,
@@ -376,7 +364,7 @@ class OpenAIEngine(Engine):
                               timeout=timeout_s, max_retries=0)  # the key stays in here; retries are ours
         self.base_url, self.model, self.max_retries, self.backoff_s = base_url, model, max_retries, backoff_s
         self.max_tokens, self.temperature, self.phase_timeout_s = max_tokens, temperature, phase_timeout_s
-        self.mode, self.refusal = STRUCTURED_MODES[0], ""  # the structured-output mode, and why it was lowered
+        self.mode, self.refusal = self.MODES[0], ""  # the structured-output mode, and why it was lowered
         self._lock, self._slots, self._logged = threading.Lock(), threading.Semaphore(workers), set()
 
     def _complete(self, prompts, max_tokens, schema):
@@ -406,7 +394,7 @@ class OpenAIEngine(Engine):
                 if mode != "prompt" and re.search(r"response_format|json_schema|json_object", e.response.text, re.I):
                     with self._lock:
                         if self.mode == mode:  # many threads may meet the same refusal: step down once per mode
-                            self.mode = STRUCTURED_MODES[STRUCTURED_MODES.index(mode) + 1]
+                            self.mode = self.MODES[self.MODES.index(mode) + 1]
                             self.refusal = f"({mode} refused with HTTP {e.status_code})"
                     continue
                 retry, kind = e.status_code in (429, 500, 502, 503, 504), f"HTTP {e.status_code}"
@@ -781,10 +769,8 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     if rc < 0:  # a real signal death, from a wait status (not guessed from an exit code); SIGXCPU says "CPU"
         hint = ", likely memory limit" if rc == -signal.SIGKILL else ""
         return f"killed by signal {-rc} ({signal.strsignal(-rc)}{hint})"
-    if rc == 0:
-        return None
     lines = stderr.strip().splitlines()  # the last line of a traceback is "ExceptionName: message"
-    return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
+    return None if rc == 0 else lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool, cgroups: bool) -> dict:
@@ -1074,7 +1060,6 @@ class WikipediaTool(RAGTool):
                    "missed; no very recent events.")
     tips = ("Query with the entity name and the fact wanted (e.g. 'Marie Curie Nobel Prize years'). If a result "
             "is a disambiguation page, retry with one of the listed titles.")
-
     max_pages, max_results, chunk_size = 3, 10, 120  # pages read, search hits offered to the engine, words per window
 
     def _select_titles(self, query: str, candidates: list[str]) -> list[str]:
@@ -1123,8 +1108,7 @@ def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, st
     """GET url: (at most max_bytes of body, content type), streamed 64 KB at a time so a 10 GB file costs 2 MB.
     requests' timeout bounds each connect and read, not the download: we also stop at a deadline."""
     deadline = time.monotonic() + timeout_s
-    headers = {"User-Agent": "flow-grpo-web-rag/0.1 (research)"}
-    with requests.get(url, timeout=timeout_s, stream=True, headers=headers) as response:
+    with requests.get(url, timeout=timeout_s, stream=True, headers={"User-Agent": "flow-grpo-web-rag/0.1"}) as response:
         response.raise_for_status()  # 404/500 -> requests.HTTPError with the status in its message
         content_type = response.headers.get("Content-Type", "text/html").lower()
         if not content_type.startswith(_HTML_TYPES + ("text/", "application/json", "application/xml")):
@@ -1165,7 +1149,6 @@ class WebRAGTool(RAGTool):
     limitations = ("Needs an exact http(s) URL; reads only the first ~2 MB of HTML or plain text; no "
                    "JavaScript-rendered content, PDFs or images.")
     tips = "Use when the task gives a URL or you know the exact page; ask one specific question about that page."
-
     max_bytes = 2_000_000  # of a response body read at most
 
     def run(self, args: Any) -> Any:  # the answer text, or {"error": ...}
