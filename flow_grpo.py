@@ -296,7 +296,6 @@ def schema_instruction(schema: type[BaseModel]) -> str:
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
     before, parses after, and when greedy sends each distinct prompt once (a question's G trajectories often agree)."""
-
     max_tokens: int = 512
     requests = failures = 0  # remote requests sent and failed (OpenAIEngine counts them; local ones never fail)
     phase_timeout_s = 300.0  # the longest a rollout phase waits for this engine, or for the tools it serves
@@ -516,7 +515,6 @@ class LocalEngine(Engine):
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
     JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts and whoever gets the lock
     serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
-
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to a third of the token limit
     _generation_lock = threading.Lock()  # for all instances: the adapter switch is state of the one shared model
 
