@@ -2163,10 +2163,8 @@ def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
 
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
-    if not path.exists():
-        return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:  # (a missing log is written empty)
         with contextlib.suppress(ValueError, KeyError, TypeError):
             if json.loads(line)["step"] <= max_step:
                 keep.append(line + "\n")
@@ -2233,11 +2231,9 @@ class GracefulInterrupt:
     """First Ctrl-C: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer), save, stop.
     Second: os._exit at once, waiting for no request or tool; nothing saved is lost (logs and checkpoints are whole)."""
 
-    requested = False
-
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
         main = threading.current_thread() is threading.main_thread()
-        self._old = signal.signal(signal.SIGINT, self._handler) if main else None
+        self.requested, self._old = False, signal.signal(signal.SIGINT, self._handler) if main else None
         return self
 
     def _handler(self, signum, frame):
@@ -2404,7 +2400,7 @@ def ask(cfg: Config, device: str) -> AgentState:
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
-    trajectory at a time, same questions, engines and seed; returns the lockstep run's distinct planner prompts."""
+    trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
     fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
     fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
     seconds = {}
@@ -2423,7 +2419,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             with timed(t, "update"):
                 fill_old_and_ref(model, rows, cfg)
                 update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
-            prompts = list(dict.fromkeys(tokenizer.decode(row.prompt_ids) for row in rows))
+            prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
         where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
         print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
@@ -2436,7 +2432,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
 
 def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     """Useful tokens/s (up to the first stop token) of sample_actions vs transformers' generate() under the same law
-    (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
+    (softmax(logits / T), no top-k/top-p), on the prompts as the trainer samples them: each question's planner prompt
+    G times, so the loop prefills it once. The loop's prefill is timed as a 1-token run."""
     stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
     t0 = time.perf_counter()
     sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
@@ -2449,8 +2446,9 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
                      for row in new[:, enc["input_ids"].shape[1]:].tolist())
     loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)  # decode = the n-token run - its prefill
-    print(f"planner sampling, {len(prompts)} distinct prompts: loop {loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode "
-          f"{max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
+    print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
+          f"{loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode {max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() "
+          f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
 
 
 def _remote_speedup(group: int) -> None:
@@ -2470,15 +2468,13 @@ def _remote_speedup(group: int) -> None:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    remote = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", "stand-in", workers=group)
     prompts, t = [f"question {i}" for i in range(group)], {}
     try:
-        remote.generate(prompts[:1])  # warm-up: connection set-up
-        with timed(t, "concurrent"):
-            remote.generate(prompts)
-        with timed(t, "sequential"):
-            for p in prompts:
-                remote.ask(p)
+        for mode, workers in (("concurrent", group), ("sequential", 1)):  # requests in flight at once: G, then 1
+            remote = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", "stand-in", workers=workers)
+            remote.ask("warm-up")  # connection set-up
+            with timed(t, mode):
+                remote.generate(prompts)
     finally:
         server.shutdown()
     print(f"remote concurrency speedup: {t['sequential'] / t['concurrent']:.1f}x ({group} calls of 100 ms: concurrent "
