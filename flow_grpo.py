@@ -2415,7 +2415,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, group_size=g, timings=t,
                                                              share_prefill=mode == "lockstep", **kw)]
         if mode == "lockstep":  # and one update on its turns: their share of a training step
-            rows = build_rows(states, [float(i % 2) for i in range(len(states))], [i // group for i in range(len(states))])
+            n = len(states)
+            rows = build_rows(states, [float(i % 2) for i in range(n)], [i // group for i in range(n)])
             with timed(t, "update"):
                 fill_old_and_ref(model, rows, cfg)
                 update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
