@@ -1784,38 +1784,32 @@ def resolve_model(name: str) -> str:
     return str(folder)
 
 
-def load_base(cfg: Config, device: str):
-    """The policy's base model and tokenizer: tiny, or an HF id, folder or GGUF (bf16 on GPU; QLoRA: 4-bit NF4)."""
-    if cfg.model == "tiny":
-        model, tokenizer = build_tiny_model(cfg.seed)
-        return model.to(device), tokenizer
-    name = resolve_model(cfg.model)
+def load_policy(cfg: Config, device: str, *, trainable: bool):
+    """Base (tiny, or an HF id, folder or GGUF; bf16 on GPU, QLoRA: 4-bit NF4) + LoRA: --adapter when given (trainable
+    or not), else a fresh adapter to train, else the bare base. Returns the model and its tokenizer."""
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
-    if cfg.load_in_4bit:
-        if device != "cuda":
-            raise SystemExit("error: --load-in-4bit needs a CUDA GPU (bitsandbytes 4-bit kernels)")
-        kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    except OSError as e:  # offline, a typo, or a gated repo: one line, not a traceback
-        raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
-                         f"(for an offline run use --preset smoke)")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return (model if cfg.load_in_4bit else model.to(device)), tokenizer
-
-
-def load_policy(cfg: Config, device: str, *, trainable: bool):
-    """Base + LoRA: --adapter when given (trainable or not), else a fresh adapter to train, else the bare base."""
-    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
-
-    model, tokenizer = load_base(cfg, device)
-    if cfg.load_in_4bit and trainable:
+    if cfg.model == "tiny":
+        model, tokenizer = build_tiny_model(cfg.seed)
+    else:
+        kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
+        if cfg.load_in_4bit:
+            if device != "cuda":
+                raise SystemExit("error: --load-in-4bit needs a CUDA GPU (bitsandbytes 4-bit kernels)")
+            kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16))
+        name = resolve_model(cfg.model)
+        try:
+            tokenizer, model = AutoTokenizer.from_pretrained(name), AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        except OSError as e:  # offline, a typo, or a gated repo: one line, not a traceback
+            raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
+                             f"(for an offline run use --preset smoke)")
+        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if not cfg.load_in_4bit:
+        model = model.to(device)
+    elif trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.adapter:
         if not (Path(cfg.adapter) / "adapter_config.json").exists():
@@ -1843,25 +1837,19 @@ def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     return engine
 
 
-def remote_engine(cfg: Config, flag: str, url: str, model: str, max_tokens: int) -> OpenAIEngine:
-    return checked(OpenAIEngine(url, model, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
-                                phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
-
-
-def make_judge(cfg: Config, fixed: Engine) -> Optional[Engine]:
-    if cfg.judge == "rule":
-        return None
-    return remote_engine(cfg, "--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256) \
-        if cfg.judge_base_url else fixed
-
-
 def build_system(cfg: Config, device: str, *, trainable: bool):
-    """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off) and tools."""
+    """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off), tools and
+    the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
-    fixed = remote_engine(cfg, "--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model,
-                          cfg.fixed_max_tokens) if cfg.fixed_base_url \
-        else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
+    remote = lambda flag, url, name, max_tokens: checked(OpenAIEngine(
+        url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s, phase_timeout_s=cfg.phase_timeout_s,
+        max_tokens=max_tokens), flag)
+    fixed = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
+        if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
     fixed.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
+    judge = None if cfg.judge == "rule" else fixed
+    if judge and cfg.judge_base_url:
+        judge = remote("--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256)
     options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
     if cfg.embed_base_url:  # optional dense retrieval for the web tool; BM25 otherwise
         from openai import OpenAI
@@ -1869,7 +1857,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
-    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, **options)
+    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, **options), judge
 
 
 def ensure_sample_data(cfg: Config) -> None:
@@ -1921,19 +1909,18 @@ class Row:
     ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
 
 
-def build_rows(states: list[AgentState], advantages: torch.Tensor) -> list[Row]:
-    """Trajectories -> turn-rows with their trajectory's advantage (Flow-GRPO's broadcast); A = 0 rows still add KL."""
-    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
-    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(advantages[i]),
-                traj_id=i) for i, s in turns]
-
-
-def set_turn_advantages(rows: list[Row], rewards: list[float], group_ids: list, scale: str) -> None:
-    """--adv-unit turn (AgentFlow's verl code): each turn-row is a sample of its trajectory's group with its
+def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
+               unit: str = "trajectory") -> list[Row]:
+    """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
+    unit='turn' (--adv-unit, AgentFlow's verl code): each turn-row is a sample of its trajectory's group with its
     trajectory's reward, so long trajectories weigh more in the mean and std (the paper: over the G trajectories)."""
-    adv_B = group_advantages([rewards[r.traj_id] for r in rows], [group_ids[r.traj_id] for r in rows], scale)
-    for r, a in zip(rows, adv_B.tolist()):
-        r.advantage = a
+    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
+    if unit == "turn":
+        adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
+    else:
+        adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
+    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
+            for (i, s), a in zip(turns, adv_B.tolist())]
 
 
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2118,10 +2105,8 @@ def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
 
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
-    if not path.exists():
-        return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:  # (a missing log is written empty)
         with contextlib.suppress(ValueError, KeyError, TypeError):
             if json.loads(line)["step"] <= max_step:
                 keep.append(line + "\n")
@@ -2155,26 +2140,19 @@ def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
             "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
 
 
-def engine_counts(*engines: Optional[Engine]) -> dict:
-    """Remote requests sent and failed so far by the distinct engines given (the judge may be the fixed one)."""
-    unique = {id(e): e for e in engines if e is not None}.values()
-    return {"engine_requests": sum(e.requests for e in unique), "engine_failures": sum(e.failures for e in unique)}
-
-
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
                tools: dict, cfg: Config, step: int) -> tuple[dict, list[AgentState], list[float]]:
     """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards."""
-    G, timings = cfg.group_size, {}
-    t0, sent = time.perf_counter(), engine_counts(fixed, judge)
+    engines = {id(e): e for e in (fixed, judge) if e is not None}.values()  # the judge may be the fixed engine
+    G, timings, t0 = cfg.group_size, {}, time.perf_counter()
+    sent = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, and failed
     states = rollout(model, tokenizer, [b["question"] for b in batch], group_size=G, fixed=fixed, tools=tools,
                      temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers, timings=timings)
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
                                        [b["answer"] for b in batch for _ in range(G)], judge)
     group_ids = [i // G for i in range(len(states))]
-    rows = build_rows(states, group_advantages(rewards, group_ids, cfg.adv_scale))
-    if cfg.adv_unit == "turn":
-        set_turn_advantages(rows, rewards, group_ids, cfg.adv_scale)
+    rows = build_rows(states, rewards, group_ids, cfg.adv_scale, cfg.adv_unit)
     t1 = time.perf_counter()
     fill_old_and_ref(model, rows, cfg)
     lr = scheduler.get_last_lr()[0]  # the learning rate of this step's updates
@@ -2186,7 +2164,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
                "update_s": time.perf_counter() - t1,
                "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
-               **{k: n - sent[k] for k, n in engine_counts(fixed, judge).items()}}
+               "engine_requests": sum(e.requests for e in engines) - sent[0],
+               "engine_failures": sum(e.failures for e in engines) - sent[1]}
     return metrics, states, rewards
 
 
@@ -2194,11 +2173,9 @@ class GracefulInterrupt:
     """First Ctrl-C: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer), save, stop.
     Second: os._exit at once, waiting for no request or tool; nothing saved is lost (logs and checkpoints are whole)."""
 
-    requested = False
-
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
         main = threading.current_thread() is threading.main_thread()
-        self._old = signal.signal(signal.SIGINT, self._handler) if main else None
+        self.requested, self._old = False, signal.signal(signal.SIGINT, self._handler) if main else None
         return self
 
     def _handler(self, signum, frame):
@@ -2256,8 +2233,8 @@ def train(cfg: Config) -> Path:
     random.seed(cfg.seed)
     device, out_dir, data_rows = pick_device(cfg), Path(cfg.output_dir), load_questions(cfg.train_file)
     last = resume_point(out_dir, cfg)
-    model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
-    judge, (optimizer, scheduler) = make_judge(cfg, fixed), make_optimizer(model, cfg)
+    model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=True)
+    optimizer, scheduler = make_optimizer(model, cfg)
     data = DataStream(len(data_rows), cfg.seed)
     start = load_checkpoint(last, model, optimizer, scheduler, data) if last else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
@@ -2328,10 +2305,9 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
 
 
 def build_agent(cfg: Config, device: str):
-    """Policy (with --adapter when given), fixed engine, tools and a greedy planner engine for --ask/--eval."""
-    model, tokenizer, fixed, tools = build_system(cfg, device, trainable=False)
-    planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
-    return model, tokenizer, fixed, tools, planner
+    """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
+    model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=False)
+    return fixed, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
 
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
@@ -2339,8 +2315,7 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
     from tqdm import tqdm
 
     rows = load_questions(cfg.val_file, cfg.eval_limit)
-    _, _, fixed, tools, planner = build_agent(cfg, device)
-    judge = make_judge(cfg, fixed)
+    fixed, tools, judge, planner = build_agent(cfg, device)
     correct, c = [], Counter()
     for i in tqdm(range(0, len(rows), batch), desc="eval", dynamic_ncols=True):
         questions = [r["question"] for r in rows[i:i + batch]]
@@ -2358,7 +2333,7 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
 
 def ask(cfg: Config, device: str) -> AgentState:
     """--ask: one question, the whole trajectory printed."""
-    _, _, fixed, tools, planner = build_agent(cfg, device)
+    fixed, tools, _, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
     print(format_trajectory(st), f"ANSWER: {extract_answer(st.final_output)}", sep="\n")
@@ -2367,7 +2342,7 @@ def ask(cfg: Config, device: str) -> AgentState:
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
-    trajectory at a time, same questions, engines and seed; returns the lockstep run's distinct planner prompts."""
+    trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
     fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
     fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
     seconds = {}
@@ -2382,12 +2357,12 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, group_size=g, timings=t,
                                                              share_prefill=mode == "lockstep", **kw)]
         if mode == "lockstep":  # and one update on its turns: their share of a training step
-            rows = build_rows(states, group_advantages([float(i % 2) for i in range(len(states))],
-                                                       [i // group for i in range(len(states))]))
+            n = len(states)
+            rows = build_rows(states, [float(i % 2) for i in range(n)], [i // group for i in range(n)])
             with timed(t, "update"):
                 fill_old_and_ref(model, rows, cfg)
                 update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
-            prompts = list(dict.fromkeys(tokenizer.decode(row.prompt_ids) for row in rows))
+            prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
         where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
         print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
@@ -2400,7 +2375,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
 
 def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     """Useful tokens/s (up to the first stop token) of sample_actions vs transformers' generate() under the same law
-    (softmax(logits / T), no top-k/top-p); the loop's prefill is timed as a 1-token run."""
+    (softmax(logits / T), no top-k/top-p), on the prompts as the trainer samples them: each question's planner prompt
+    G times, so the loop prefills it once. The loop's prefill is timed as a 1-token run."""
     stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
     t0 = time.perf_counter()
     sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
@@ -2413,8 +2389,9 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
                      for row in new[:, enc["input_ids"].shape[1]:].tolist())
     loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)  # decode = the n-token run - its prefill
-    print(f"planner sampling, {len(prompts)} distinct prompts: loop {loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode "
-          f"{max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
+    print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
+          f"{loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode {max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() "
+          f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
 
 
 def _remote_speedup(group: int) -> None:
@@ -2434,15 +2411,13 @@ def _remote_speedup(group: int) -> None:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    remote = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", "stand-in", workers=group)
     prompts, t = [f"question {i}" for i in range(group)], {}
     try:
-        remote.generate(prompts[:1])  # warm-up: connection set-up
-        with timed(t, "concurrent"):
-            remote.generate(prompts)
-        with timed(t, "sequential"):
-            for p in prompts:
-                remote.ask(p)
+        for mode, workers in (("concurrent", group), ("sequential", 1)):  # requests in flight at once: G, then 1
+            remote = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", "stand-in", workers=workers)
+            remote.ask("warm-up")  # connection set-up
+            with timed(t, mode):
+                remote.generate(prompts)
     finally:
         server.shutdown()
     print(f"remote concurrency speedup: {t['sequential'] / t['concurrent']:.1f}x ({group} calls of 100 ms: concurrent "
@@ -2475,7 +2450,7 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     import multiprocessing
 
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
-    model, tokenizer, fixed, tools = build_system(cfg, device, trainable=True)
+    model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
     kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
               max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
     rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs

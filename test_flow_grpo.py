@@ -587,7 +587,7 @@ def test_real_model_smollm2_every_frozen_role_output_is_valid():
     one turn with a fixed plan for the Python tool: the analysis, the tool call and the verdict must all be
     valid (the planner is the one role left unconstrained, so it is not what this test checks)."""
     t0 = time.perf_counter()
-    model, tok = fg.load_base(fg.Config(model="smollm2-135m", device="cpu"), "cpu")
+    model, tok = fg.load_policy(fg.Config(model="smollm2-135m", device="cpu"), "cpu", trainable=False)
     fixed = fg.LocalEngine(model, tok, max_tokens=128)
     fixed.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
     tools = fg.make_tools(["Python_Coder_Tool"], fixed, timeout_s=10.0, max_tokens=48)
@@ -2090,9 +2090,10 @@ def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objecti
     rewards = [float(x) for x in torch.randint(0, 2, (B * G,), generator=g)] + [1.0] * G  # + a zero-variance group
     turns = torch.randint(1, 5, (len(rewards),), generator=g).tolist()
     group_ids = [f"q{i // G}" for i in range(len(rewards))]  # string ids
-    rows = [fg.Row(prompt_ids=torch.zeros(1), action_ids=torch.zeros(1), logprobs=torch.zeros(1), advantage=0.0,
-                   traj_id=i) for i, t in enumerate(turns) for _ in range(t)]
-    fg.set_turn_advantages(rows, rewards, group_ids, "group")
+    turn = fg.Turn(plan_text="", plan=None, call=None, result=None, planner_output=fg.Sample(*[torch.zeros(1)] * 3, ""))
+    states = [fg.AgentState(question="q", memory=fg.Memory(), turns=[turn] * t) for t in turns]
+    rows = fg.build_rows(states, rewards, group_ids, "group", unit="turn")
+    assert [r.traj_id for r in rows] == [i for i, t in enumerate(turns) for _ in range(t)]
     lens = torch.randint(1, 7, (len(rows),), generator=g)
     mask = torch.arange(6)[None, :] < lens[:, None]
     logp = (-2 * torch.rand(len(rows), 6, generator=g)).requires_grad_()
@@ -2537,7 +2538,7 @@ def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
     rows = [prepare_data.make_row(q, a, "arithmetic", i) for i, (q, a) in enumerate(
         [("ok?", "144"), ("bad?", "144"), ("junk?", "7"), ("nope?", "7")])]
     prepare_data.write_dataset(rows, tmp_path / "val.parquet")
-    agent = (None, None, CountingRoles(), {"Echo_Tool": EchoTool()}, ScriptedEngine(counting_planner))
+    agent = (CountingRoles(), {"Echo_Tool": EchoTool()}, None, ScriptedEngine(counting_planner))
     monkeypatch.setattr(fg, "build_agent", lambda cfg, device: agent)
     fg.evaluate(fg.Config(val_file=str(tmp_path / "val.parquet"), max_turns=1), "cpu")
     last = capsys.readouterr().out.strip().splitlines()[-1]
