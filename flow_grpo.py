@@ -1851,7 +1851,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     if judge and cfg.judge_base_url:
         judge = remote("--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256)
     options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
-    if cfg.embed_base_url:  # optional dense retrieval for the web tool; BM25 otherwise
+    if cfg.embed_base_url:  # optional dense retrieval for the RAG tools; BM25 otherwise
         from openai import OpenAI
 
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
