@@ -545,8 +545,11 @@ class LocalEngine(Engine):
         again call by call, so that one caller's problem never becomes another's."""
         for limit in sorted({q[1] for q in queued}):
             group = [q for q in queued if q[1] == limit]
+            pairs = [(p, s) for q in group for p, s in zip(q[0], q[2])]
+            sent = list(dict.fromkeys(pairs)) if self.dedup else pairs  # the G tool threads often ask the same
             try:
-                flat = iter(self._generate([p for q in group for p in q[0]], limit, [s for q in group for s in q[2]]))
+                texts = self._generate([p for p, _ in sent], limit, [s for _, s in sent])
+                flat = iter(map(dict(zip(sent, texts)).get, pairs) if self.dedup else texts)
                 for prompts, _, _, future in group:
                     future.set_result([next(flat) for _ in prompts])
             except Exception as e:
@@ -2343,8 +2346,9 @@ def ask(cfg: Config, device: str) -> AgentState:
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
     trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
-    fixed, complete, generated = kw["fixed"], kw["fixed"]._complete, []  # every prompt really generated goes in
-    fixed._complete = lambda prompts, *args: generated.extend(prompts) or complete(prompts, *args)  # extend: atomic
+    fixed, generated = kw["fixed"], []  # every prompt really generated goes in (LocalEngine: after its batching)
+    name = "_generate" if hasattr(fixed, "_generate") else "_complete"
+    setattr(fixed, name, lambda prompts, *a, f=getattr(fixed, name): generated.extend(prompts) or f(prompts, *a))
     seconds = {}
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
