@@ -1024,8 +1024,8 @@ class PythonCoderTool(Tool):
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
 
     def run(self, args: Any) -> dict:
-        # Short on purpose: SmolLM2-135M followed this wording (right result for 19/24 arithmetic tasks, bare
-        # expressions included) far better than a list of rules (7/24). The sandbox, not the prompt, keeps it safe.
+        # Short on purpose: SmolLM2-135M's programs were right for 39/48 arithmetic tasks (questions and bare
+        # expressions) with it, 7/24 with a list of rules. The sandbox, not the prompt, keeps the code harmless.
         prompt = (f"Write a Python program that prints the answer.\nTask: compute {args.query}\n"
                   "Reply with the program in one ```python block.")
         reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
