@@ -1866,39 +1866,27 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
-    own = PRESETS.get(cfg.preset, {})
-    missing = [p for p, key in ((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))
-               if p == own.get(key) and not Path(p).exists()]
-    if not missing:
-        return
     import prepare_data
 
-    train, val = prepare_data.build_arithmetic() if cfg.preset == "cpu" else prepare_data.build_sample(seed=cfg.seed)
-    for path, rows in ((cfg.train_file, train), (cfg.val_file, val)):
-        if path in missing:
-            prepare_data.write_dataset(rows, path)
-            log(f"wrote the offline {cfg.preset} data: {path} ({len(rows)} rows)")
+    own = PRESETS.get(cfg.preset, {})
+    for i, (path, key) in enumerate(((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))):
+        if path == own.get(key) and not Path(path).exists():  # the builders are seeded: both calls draw the same split
+            split = prepare_data.build_arithmetic() if cfg.preset == "cpu" else prepare_data.build_sample(seed=cfg.seed)
+            prepare_data.write_dataset(split[i], path)
+            log(f"wrote the offline {cfg.preset} data: {path} ({len(split[i])} rows)")
 
 
-@dataclass
-class DataStream:
-    """A seeded shuffle per epoch; its whole state (epoch, pos) is in checkpoints, so a resume draws the same."""
-    n: int
-    seed: int
-    epoch: int = 0
-    pos: int = 0
+def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
+    """The rows of training step `step` (1, 2, ...): each epoch is a shuffle of the n rows seeded by its number, read in
+    order. A pure function of the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
+    def order(epoch: int) -> list[int]:
+        rows = list(range(n))
+        random.Random(seed + epoch).shuffle(rows)
+        return rows
 
-    def next_batch(self, size: int) -> list[int]:
-        assert self.n > 0, "no questions to draw from: the loop below would never end"
-        out = []
-        while len(out) < size:
-            order = list(range(self.n))
-            random.Random(self.seed + self.epoch).shuffle(order)
-            take = order[self.pos:self.pos + size - len(out)]
-            out, self.pos = out + take, self.pos + len(take)
-            if self.pos >= self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-        return out
+    first = (step - 1) * size  # rows drawn before this step
+    epochs = {e: order(e) for e in range(first // n, (first + size - 1) // n + 1)}
+    return [epochs[k // n][k % n] for k in range(first, first + size)]
 
 
 @dataclass
@@ -2028,14 +2016,14 @@ def make_optimizer(model, cfg: Config):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 
-def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, data: DataStream, cfg: Config) -> Path:
+def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config) -> Path:
     """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     model.save_pretrained(tmp)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "data": dataclasses.asdict(data), "rng": rng}, tmp / "trainer_state.pt")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
+               tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -2058,8 +2046,8 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     return None
 
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -> int:
-    """Restore adapter weights, optimizer, scheduler, data position and RNG; returns the step reached."""
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
+    """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (which fixes the data position)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -2067,7 +2055,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, data: DataStream) -
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    data.epoch, data.pos, rng = state["data"]["epoch"], state["data"]["pos"], state["rng"]
+    rng = state["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     if rng["cuda"] is not None and torch.cuda.is_available():
@@ -2239,13 +2227,12 @@ def train(cfg: Config) -> Path:
     last = resume_point(out_dir, cfg)
     model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
-    data = DataStream(len(data_rows), cfg.seed)
-    start = load_checkpoint(last, model, optimizer, scheduler, data) if last else 0
+    start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         trim_jsonl(out_dir / name, start)
     if cfg.sft_steps > 0 and last is None:
         sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
-        last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, data, cfg)
+        last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
@@ -2255,7 +2242,7 @@ def train(cfg: Config) -> Path:
             tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
                  dynamic_ncols=True) as bar:
         for step in bar:
-            batch = [data_rows[i] for i in data.next_batch(cfg.batch_size)]
+            batch = [data_rows[i] for i in batch_indices(len(data_rows), cfg.seed, step, cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
                                                   tools, cfg, step)
             mf.write(json.dumps(metrics) + "\n")
@@ -2267,7 +2254,7 @@ def train(cfg: Config) -> Path:
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
                             kl=f"{metrics['kl']:.4f}")
             if step % cfg.save_every == 0 or step == cfg.max_steps or interrupt.requested:
-                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, data, cfg)
+                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg)
             if interrupt.requested:
                 log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
                 break
