@@ -611,12 +611,6 @@ class NextStep(BaseModel):
     tool_name: str = Field(description="exactly one tool name from the list")
 
 
-class ToolCall(BaseModel):
-    """A tool call as the solver runs it. The executor itself answers in the chosen tool's own call_schema."""
-    tool_name: str = Field(description="the tool chosen by the planner")
-    arguments: dict[str, Any] = Field(description="the tool's arguments as a JSON object")
-
-
 class Verification(BaseModel):
     """The verifier's verdict after each step."""
     analysis: str = Field(description="is the question fully answered by the memory? what is missing?")
@@ -1262,8 +1256,8 @@ def timed(timings: Optional[dict], key: str):
 
 
 def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
-    """Per plan, the executor's call in the named tool's own call_schema (one batch per tool), or None."""
-    calls: list[Optional[ToolCall]] = [None] * len(live)
+    """Per plan, the executor's arguments for its tool, decoded in its call_schema (one batch per tool), or None."""
+    calls: list[Optional[dict]] = [None] * len(live)
     todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
     for name in sorted({plans[i].tool_name for i in todo}):
         rows = [i for i in todo if plans[i].tool_name == name]
@@ -1271,21 +1265,21 @@ def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict,
             made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
                                   schema=call_schema(name, tools[name].input_model))
         for i, c in zip(rows, made):
-            calls[i] = c and ToolCall(tool_name=name, arguments=c.arguments.model_dump())
+            calls[i] = c and c.arguments.model_dump()
     return calls
 
 
-def run_step(tools: dict, plan: Optional[NextStep], call: Optional[ToolCall]) -> tuple[Optional[dict], Any]:
+def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict]) -> tuple[Optional[dict], Any]:
     """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
     if plan is None:
         return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
     if plan.tool_name not in tools:
         return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
-    if call is None:
+    if args is None:
         return None, {"error": "the tool call did not fit the tool's input schema"}
-    command = {"tool_name": plan.tool_name, "arguments": call.arguments}
+    command = {"tool_name": plan.tool_name, "arguments": args}
     try:
-        return command, tools[plan.tool_name](call.arguments)  # __call__ validates against the input schema
+        return command, tools[plan.tool_name](args)  # __call__ validates against the input schema
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
@@ -2047,7 +2041,7 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
-    """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (which fixes the data position)."""
+    """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (it fixes the data position)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
