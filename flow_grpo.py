@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import copy
 import dataclasses
 import functools
 import importlib.util
@@ -566,9 +565,8 @@ class LocalEngine(Engine):
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
-        gen_cfg = copy.deepcopy(self.model.generation_config)  # greedy: the model's sampling knobs cleared
-        gen_cfg.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
-                       pad_token_id=self.tokenizer.pad_token_id)
+        greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
+                      pad_token_id=self.tokenizer.pad_token_id)  # the hub config's sampling knobs cleared
         outs: list[str] = []
         with contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model), torch.no_grad():
             for i in range(0, len(prompts), self.batch_size):
@@ -578,8 +576,7 @@ class LocalEngine(Engine):
                 # ~3 characters per token: four strings of max_tokens/3 characters and their keys still close.
                 cap = min(self.max_json_chars, max(8, max_tokens // 3))
                 mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
-                ids = self.model.generate(**enc, generation_config=gen_cfg,
-                                          logits_processor=[mask] if mask.matchers else None)
+                ids = self.model.generate(**enc, **greedy, logits_processor=[mask] if mask.matchers else None)
                 self.generate_calls += 1
                 mask.advance(ids[:, -1])  # the last token was never fed back: the matchers must see it
                 texts = self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
