@@ -524,7 +524,6 @@ class LocalEngine(Engine):
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._queue_lock = threading.Lock()
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
-        self.generate_calls = 0  # batched generate() calls made (the batching test reads it)
 
     def _complete(self, prompts, max_tokens, schema):
         mine: concurrent.futures.Future = concurrent.futures.Future()
@@ -577,7 +576,6 @@ class LocalEngine(Engine):
                 cap = min(self.max_json_chars, max(8, max_tokens // 3))
                 mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
                 ids = self.model.generate(**enc, **greedy, logits_processor=[mask] if mask.matchers else None)
-                self.generate_calls += 1
                 mask.advance(ids[:, -1])  # the last token was never fed back: the matchers must see it
                 texts = self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
                 outs += [t if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
