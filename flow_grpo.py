@@ -1238,7 +1238,7 @@ class AgentState:
     turns: list[Turn] = field(default_factory=list)
     done: bool = False
     final_output: str = ""  # the generator's final text, with <answer>...</answer>
-    stats: Counter = field(default_factory=Counter)  # parse failures, tool calls, tool errors
+    stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
 
 
 @contextlib.contextmanager
@@ -1313,9 +1313,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
             st.turns.append(Turn(plan_text=text, plan=plan, call=command, result=result, planner_output=out))
             st.stats["parse_fail:plan"] += plan is None
             st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
-            if command is not None:
-                st.stats[f"tool:{command['tool_name']}"] += 1
-                st.stats["tool_error"] += isinstance(result, dict) and bool(result.get("error"))
+            st.stats["tool_error"] += command is not None and isinstance(result, dict) and bool(result.get("error"))
         # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
         if turn == max_turns:  # not after the last turn: the loop ends anyway, a verdict would change nothing
             break

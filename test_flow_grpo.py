@@ -1452,7 +1452,7 @@ def test_solver_counts_failures_per_kind():
 
     clean, broken = fg.solve_batch(["ok?", "bad?"], planner=lambda ps: [plan_json()] * len(ps),
                                    fixed=Fixed(stop_after=1), tools={"Echo_Tool": Coder()}, max_turns=1)
-    assert clean.stats["tool_error"] == 0 and clean.stats["tool:Echo_Tool"] == 1
+    assert clean.stats["tool_error"] == 0 and clean.turns[0].call["tool_name"] == "Echo_Tool"
     assert broken.stats["parse_fail:call"] == 1 and "did not fit" in broken.memory.steps[0]["result"]["error"]
     failing = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(),
                              tools={"Echo_Tool": Coder(fail=True)}, max_turns=1)[0]
