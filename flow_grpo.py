@@ -118,7 +118,7 @@ class Config:
     # --- what to do (default: train) ---
     ask: str = arg("", "run the agent once on this question and print the whole trajectory")
     eval: bool = arg(False, "evaluate the planner greedily on --val-file and print accuracy")
-    benchmark: bool = arg(False, "time lockstep vs one-at-a-time rollouts, remote concurrency, update memory")
+    benchmark: bool = arg(False, "time lockstep vs one-at-a-time rollouts, the sampling loop, remote concurrency")
     learning_curve: bool = arg(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
     preset: str = arg("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic (CPU, offline)")
     plot: bool = arg(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
@@ -529,14 +529,11 @@ class LocalEngine(Engine):
         mine: concurrent.futures.Future = concurrent.futures.Future()
         with self._queue_lock:
             self._queue.append((prompts, max_tokens, [schema] * len(prompts), mine))
-        while not mine.done():  # poll, so that a caller served by another thread returns at once
-            if self._generation_lock.acquire(timeout=0.005):
-                try:
-                    with self._queue_lock:
-                        queued, self._queue = self._queue, []
-                    self._serve(queued)
-                finally:
-                    self._generation_lock.release()
+        with self._generation_lock:  # whoever holds it serves the whole queue, so we may find ours already done
+            if not mine.done():
+                with self._queue_lock:
+                    queued, self._queue = self._queue, []
+                self._serve(queued)
         return mine.result()
 
     def _serve(self, queued: list) -> None:
@@ -1449,18 +1446,18 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
 
 
-def rollout(model, tokenizer, questions: list[str], *, group_size: int, fixed: Engine, tools: dict,
-            temperature: float, max_new_tokens: int, max_turns: int, memory_chars: int = 2000,
-            tool_workers: int = 8, timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
+def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, tools: dict, *, group_size: int,
+            timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
-        return sample_actions(model, tokenizer, [render_chat(tokenizer, p) for p in prompts],
-                              max_new_tokens=max_new_tokens, temperature=temperature, share_prefill=share_prefill)
+        rendered = [render_chat(tokenizer, p) for p in prompts]
+        return sample_actions(model, tokenizer, rendered, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, share_prefill=share_prefill)
 
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
-                       tools=tools, max_turns=max_turns, memory_chars=memory_chars, tool_workers=tool_workers,
-                       timings=timings)
+                       tools=tools, max_turns=cfg.max_turns, memory_chars=cfg.memory_chars,
+                       tool_workers=cfg.tool_workers, timings=timings)
 
 
 # =====================================================================================================
@@ -2125,9 +2122,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     engines = {id(e): e for e in (fixed, judge) if e is not None}.values()  # the judge may be the fixed engine
     G, timings, t0 = cfg.group_size, {}, time.perf_counter()
     sent = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, and failed
-    states = rollout(model, tokenizer, [b["question"] for b in batch], group_size=G, fixed=fixed, tools=tools,
-                     temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns,
-                     memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers, timings=timings)
+    states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, fixed, tools, group_size=G, timings=timings)
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
                                        [b["answer"] for b in batch for _ in range(G)], judge)
     group_ids = [i // G for i in range(len(states))]
@@ -2318,10 +2313,10 @@ def ask(cfg: Config, device: str) -> AgentState:
     return st
 
 
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, kw: dict) -> list[str]:
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
     trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
-    fixed, generated = kw["fixed"], []  # every prompt really generated goes in (LocalEngine: after its batching)
+    generated = []  # every prompt really generated goes in (LocalEngine: after its batching)
     name = "_generate" if hasattr(fixed, "_generate") else "_complete"
     setattr(fixed, name, lambda prompts, *a, f=getattr(fixed, name): generated.extend(prompts) or f(prompts, *a))
     seconds = {}
@@ -2333,8 +2328,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         fixed.dedup = mode != "unshared"
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
         with timed(t, "seconds"):
-            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, group_size=g, timings=t,
-                                                             share_prefill=mode == "lockstep", **kw)]
+            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, fixed, tools, group_size=g,
+                                                             timings=t, share_prefill=mode == "lockstep")]
         if mode == "lockstep":  # and one update on its turns: their share of a training step
             n = len(states)
             rows = build_rows(states, [float(i % 2) for i in range(n)], [i // group for i in range(n)])
@@ -2403,48 +2398,16 @@ def _remote_speedup(group: int) -> None:
           f"{t['concurrent']:.2f}s, one after another {t['sequential']:.2f}s)")
 
 
-def _update_memory_probe(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
-    """Peak RSS growth in MB of one forward+backward giving an action's log-probs at a real vocabulary size ('naive':
-    full-sequence logits and log-softmax; 'ours': action_logprobs). In a fresh process: peak RSS never goes down."""
-    def rss_mb(key: str) -> float:  # VmRSS now, VmHWM peak
-        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
-
-    model = build_tiny_model()[0]
-    model.resize_token_embeddings(vocab, mean_resizing=False)
-    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
-    base_mb = rss_mb("VmRSS")
-    if mode == "naive":
-        logp_LV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
-        logp_A = logp_LV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
-    else:
-        logp_A = action_logprobs(model, [prompt], [action], temperature=1.0)[0]
-    logp_A.sum().backward()
-    return rss_mb("VmHWM") - base_mb
-
-
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """--benchmark, the README's performance table: rollouts lockstep vs unshared vs sequential, the sampling loop vs
-    generate() on their planner prompts, remote concurrency, and the update's memory (naive vs action_logprobs)."""
-    import multiprocessing
-
+    """--benchmark, the README's performance table (its memory row is a test): rollouts lockstep vs unshared vs
+    sequential, the sampling loop vs generate() on their planner prompts, and remote concurrency."""
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
-    kw = dict(fixed=fixed, tools=tools, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-              max_turns=cfg.max_turns, memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
-    rollout(model, tokenizer, questions[:1], group_size=1, **kw)  # warm-up: first calls pay one-off costs
+    rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")
-    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, kw), cfg)
+    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, fixed, tools), cfg)
     _remote_speedup(group)
-    try:  # max_tasks_per_child=1: each probe in a fresh process
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                    max_tasks_per_child=1) as pool:
-            naive, ours = pool.map(_update_memory_probe, ("naive", "ours"))
-    except concurrent.futures.BrokenExecutor:  # e.g. killed for memory: one line instead of a traceback
-        raise SystemExit("error: the update memory probe died; it needs ~8 GB of RAM") from None
-    print(f"update memory: naive {naive:.0f} MB vs ours {ours:.0f} MB (4096-token prompt + 256-token action, "
-          f"151,936-token vocabulary, forward+backward, peak RSS growth; {ours / naive:.2f} of naive)")
 
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:

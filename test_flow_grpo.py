@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -1632,6 +1633,44 @@ def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(t
         assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
         assert torch.equal(s.action_ids, u.action_ids)  # same seed, same law: the same draws
     assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
+
+
+def update_peak_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
+    """Peak RSS growth in MB of one forward+backward giving an action's log-probs at a real vocabulary size ('naive':
+    full-sequence logits and log-softmax; 'ours': fg.action_logprobs). Run it in a fresh process: peak RSS never
+    goes down, so a second measurement in the same process would see the first one's peak."""
+    def rss_mb(key: str) -> float:  # VmRSS now, VmHWM peak
+        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
+
+    model = fg.build_tiny_model()[0]
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
+    base_mb = rss_mb("VmRSS")
+    if mode == "naive":
+        logp_LV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
+        logp_A = logp_LV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
+    else:
+        logp_A = fg.action_logprobs(model, [prompt], [action], temperature=1.0)[0]
+    logp_A.sum().backward()
+    return rss_mb("VmHWM") - base_mb
+
+
+def test_action_logprobs_peaks_under_a_quarter_of_a_naive_log_softmax():
+    """The README's memory row (`python -m pytest -q -s -k naive_log_softmax`): a 4,096-token prompt, a 256-token
+    action, Qwen's 151,936-token vocabulary; each side in its own process (~8 GB for the naive one, ~25 s)."""
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS: the memory bound went untested")
+    peak = {}
+    for mode in ("naive", "ours"):
+        probe = f"import test_flow_grpo as t; print(t.update_peak_mb({mode!r}))"
+        done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              timeout=300, check=True)
+        peak[mode] = float(done.stdout.split()[-1])
+    print(f"\nupdate memory: naive {peak['naive']:.0f} MB vs ours {peak['ours']:.0f} MB (4096-token prompt + 256-token "
+          f"action, 151,936-token vocabulary, forward+backward, peak RSS growth; "
+          f"{peak['ours'] / peak['naive']:.2f} of naive)")
+    assert peak["naive"] > 1000 and peak["ours"] < 0.25 * peak["naive"]
 
 
 
