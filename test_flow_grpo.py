@@ -2582,6 +2582,22 @@ def test_cli_smoke_ask_prints_the_trajectory():
     assert time.perf_counter() - t0 < 60
 
 
+def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_once():
+    """--benchmark end to end (one question x G=8, one turn): every line of the README's table is printed, the
+    lockstep rollout's frozen roles generate each distinct prompt once (the unshared one all 8 copies), and the
+    ratios point the right way (loose bounds: CI machines are shared)."""
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--preset", "smoke", "--benchmark", "--batch-size", "1",
+                          "--max-turns", "1"], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    generated = {m[1]: (int(m[2]), int(m[3])) for m in
+                 re.finditer(r"^  (\w+) .*frozen roles generated (\d+) prompts \((\d+) distinct\)", out.stdout, re.M)}
+    (n_lock, distinct), (n_unshared, _) = generated["lockstep"], generated["unshared"]
+    assert set(generated) == {"lockstep", "unshared", "sequential"} and n_lock == distinct and n_unshared == 8 * distinct
+    speedup = float(re.search(r"rollout speedup: ([\d.]+)x \(lockstep vs sequential\)", out.stdout)[1])
+    remote = float(re.search(r"remote concurrency speedup: ([\d.]+)x", out.stdout)[1])
+    assert speedup > 2 and remote > 3 and "planner sampling, 8 prompts" in out.stdout
+
+
 def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
     rows = [prepare_data.make_row(q, a, "arithmetic", i) for i, (q, a) in enumerate(
         [("ok?", "144"), ("bad?", "144"), ("junk?", "7"), ("nope?", "7")])]
