@@ -7,7 +7,6 @@ system cannot give (a namespace, the real model) skips with the reason; it never
 """
 import ast
 import dataclasses
-import http.server
 import importlib.util
 import json
 import math
