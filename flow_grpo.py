@@ -1852,10 +1852,11 @@ def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
     import prepare_data
 
-    own = PRESETS.get(cfg.preset, {})
+    own, split = PRESETS.get(cfg.preset, {}), None
     for i, (path, key) in enumerate(((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))):
-        if path == own.get(key) and not Path(path).exists():  # the builders are seeded: both calls draw the same split
-            split = prepare_data.build_arithmetic() if cfg.preset == "cpu" else prepare_data.build_sample(seed=cfg.seed)
+        if path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
+            split = split or (prepare_data.build_arithmetic() if cfg.preset == "cpu" else
+                              prepare_data.build_sample(seed=cfg.seed))
             prepare_data.write_dataset(split[i], path)
             log(f"wrote the offline {cfg.preset} data: {path} ({len(split[i])} rows)")
 
