@@ -33,6 +33,7 @@ WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO
     12 update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
   Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
   9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
+  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary.
 
 SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance.
 --sft-steps N first fits the planner by cross-entropy on action tokens (action_logprobs, its own AdamW) to
@@ -1638,14 +1639,14 @@ def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6
     carries no signal: exactly 0, not 0/eps noise (verl gives a lone sample its reward)."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
-    r_N = torch.as_tensor(rewards, dtype=torch.float32)
-    adv_N = torch.zeros_like(r_N)
+    r_B = torch.as_tensor(rewards, dtype=torch.float32)
+    adv_B = torch.zeros_like(r_B)
     for idx in group_members(group_ids):
-        std = r_N[idx].std() if len(idx) > 1 else torch.tensor(0.0)
+        std = r_B[idx].std() if len(idx) > 1 else torch.tensor(0.0)
         if std > eps:  # zero-variance groups keep their zeros
-            scale_by = {"group": std + eps, "batch": r_N.std() + eps, "none": 1.0}[scale]
-            adv_N[idx] = (r_N[idx] - r_N[idx].mean()) / scale_by
-    return adv_N
+            scale_by = {"group": std + eps, "batch": r_B.std() + eps, "none": 1.0}[scale]
+            adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
+    return adv_B
 
 
 def zero_std_frac(rewards, group_ids) -> float:
@@ -1662,13 +1663,13 @@ def zero_std_frac(rewards, group_ids) -> float:
 # losses add up to the minibatch loss, whatever the micro-batch size.
 
 
-def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
+def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
     """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
     'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
     'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
     'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
     traj_ids: each row's trajectory (any hashable ids); without them 'turn' equals 'seq-mean-token-mean'."""
-    mask_BA = mask.float()
+    mask_BA = mask_BA.float()
     per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
     if agg == "token-mean":
         return mask_BA / mask_BA.sum().clamp(min=1)
@@ -1683,13 +1684,13 @@ def aggregation_weights(mask: torch.Tensor, agg: str = "turn", traj_ids=None) ->
     raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3, clip_ratio_c: Optional[float] = 3.0,
-              kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
+def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
+              mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
+              clip_ratio_c: Optional[float] = 3.0, kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
               weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
     """The Flow-GRPO loss (to MINIMISE) and its statistics.
 
-    logp/old_logp/ref_logp/mask: [B, A] (one row per planner turn), advantages: [B] (the trajectory's A_i).
+    One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA under pi_theta, pi_old, pi_ref; adv_B its A_i.
     weights: precomputed aggregation_weights for these rows (micro-batches of a bigger minibatch); by default
     they are computed from `agg` and traj_ids over this batch alone.
     Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
@@ -1698,18 +1699,18 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
     -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update.
     """
-    mask_BA = mask.bool()
+    mask_BA = mask_BA.bool()
     w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
     # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
     # The clamps (as verl's) keep exp() finite, so a stale pi_old or a far-off pi_ref cannot give inf or NaN.
-    ratio_BA = torch.exp(torch.where(mask_BA, logp - old_logp, 0.0).clamp(-20, 20))
-    adv_B1 = advantages.to(logp.device, logp.dtype)[:, None]
+    ratio_BA = torch.exp(torch.where(mask_BA, logp_BA - old_logp_BA, 0.0).clamp(-20, 20))
+    adv_B1 = adv_B.to(logp_BA.device, logp_BA.dtype)[:, None]
     surr_BA = ratio_BA * adv_B1
     surr_clipped_BA = ratio_BA.clamp(1 - clip_low, 1 + clip_high) * adv_B1
     pg_loss_BA = -torch.minimum(surr_BA, surr_clipped_BA)
     if clip_ratio_c:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
         pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
-    delta_BA = torch.where(mask_BA, ref_logp - logp, 0.0).clamp(-20, 20)
+    delta_BA = torch.where(mask_BA, ref_logp_BA - logp_BA, 0.0).clamp(-20, 20)
     kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
     loss = ((pg_loss_BA + kl_coef * kl_BA) * w_BA).sum()
     with torch.no_grad():
