@@ -421,11 +421,9 @@ def render_chat(tokenizer, prompt: str) -> str:
                                          add_generation_prompt=True)
 
 
-@contextlib.contextmanager
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
-    with model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext():
-        yield
+    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
 
 
 # The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
