@@ -724,11 +724,10 @@ def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
 def _make_cgroups(memory_mb: int) -> list[str]:
     """New cgroups capping memory (swap too) and processes: in ours (v1 memory, pids), else beside it (v2)."""
     v1, v2 = [], []
-    with open("/proc/self/cgroup") as f:
-        for _, names, path in (line.rstrip("\n").split(":", 2) for line in f):
-            v1 += [f"/sys/fs/cgroup/{c}{path}" for c in ("memory", "pids") if c in names.split(",")]
-            if not names and all(os.path.exists(f"/sys/fs/cgroup{path}/{c}.max") for c in ("memory", "pids")):
-                v2 = [os.path.dirname(f"/sys/fs/cgroup{path}")]  # we were handed both: a sibling gets them
+    for _, names, path in (line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()):
+        v1 += [f"/sys/fs/cgroup/{c}{path}" for c in ("memory", "pids") if c in names.split(",")]
+        if not names and all(os.path.exists(f"/sys/fs/cgroup{path}/{c}.max") for c in ("memory", "pids")):
+            v2 = [os.path.dirname(f"/sys/fs/cgroup{path}")]  # we were handed both: a sibling gets them
     made = [tempfile.mkdtemp(prefix="flowgrpo-", dir=parent) for parent in (v1 if len(v1) == 2 else v2)]
     limits = {"memory.limit_in_bytes": memory_mb << 20, "memory.memsw.limit_in_bytes": memory_mb << 20,
               "memory.max": memory_mb << 20, "memory.swap.max": 0, "pids.max": SANDBOX_MAX_PROCESSES}
