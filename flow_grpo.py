@@ -1865,13 +1865,10 @@ def ensure_sample_data(cfg: Config) -> None:
 def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
     """The rows of training step `step` (1, 2, ...): each epoch is a shuffle of the n rows seeded by its number, read in
     order. A pure function of the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
-    def order(epoch: int) -> list[int]:
-        rows = list(range(n))
-        random.Random(seed + epoch).shuffle(rows)
-        return rows
-
     first = (step - 1) * size  # rows drawn before this step
-    epochs = {e: order(e) for e in range(first // n, (first + size - 1) // n + 1)}
+    epochs = {e: list(range(n)) for e in range(first // n, (first + size - 1) // n + 1)}
+    for e, rows in epochs.items():
+        random.Random(seed + e).shuffle(rows)
     return [epochs[k // n][k % n] for k in range(first, first + size)]
 
 
