@@ -1963,7 +1963,7 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     trajs = sorted({r.traj_id for r in rows})
     n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
-    sums, losses, norms, skipped = Counter(), [], [], 0
+    sums, skipped = Counter(), 0
     model.train()
     for epoch in range(cfg.ppo_epochs):
         random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)  # own RNG: resumable, no global state
@@ -1977,12 +1977,10 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
                 skipped += 1
                 continue
             optimizer.step()
-            losses.append(loss)
-            norms.append(norm.item())
-            sums.update(st)
-    done = max(1, len(losses))
-    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean")}, "skipped_updates": skipped,
-            "loss": sum(losses) / done if losses else float("nan"), "grad_norm": sum(norms) / done}
+            sums.update(st, loss=loss, grad_norm=norm.item(), updates=1)
+    done = max(1, sums["updates"])
+    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean", "grad_norm")}, "skipped_updates": skipped,
+            "loss": sums["loss"] / done if sums["updates"] else float("nan")}
 
 
 def make_optimizer(model, cfg: Config):
