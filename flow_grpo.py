@@ -2129,10 +2129,9 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     lr = scheduler.get_last_lr()[0]  # the learning rate of this step's updates
     upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
-    metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd,
+    metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd, "rows": len(rows), "lr": lr,
                "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),
-               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr, "rollout_s": t1 - t0,
-               "update_s": time.perf_counter() - t1,
+               "judge_fallbacks": fallbacks, "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
                "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
                "engine_requests": sum(e.requests for e in engines) - sent[0],
