@@ -1234,7 +1234,7 @@ class AgentState:
     memory: Memory
     analysis: str = ""
     turns: list[Turn] = field(default_factory=list)
-    done: bool = False
+    done: bool = False  # the verifier said STOP: no more turns
     final_output: str = ""  # the generator's final text, with <answer>...</answer>
     stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
 
@@ -1328,7 +1328,6 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
     for st, text in zip(states, finals):
         text = text.strip()
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
-        st.done = True
     return states
 
 
