@@ -2299,13 +2299,12 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
     return {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c)}
 
 
-def ask(cfg: Config, device: str) -> AgentState:
+def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     fixed, tools, _, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
     print(format_trajectory(st), f"ANSWER: {extract_answer(st.final_output)}", sep="\n")
-    return st
 
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:
@@ -2422,7 +2421,7 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
     print(f"wrote {path}")
 
 
-def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> list[list[float]]:
+def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> None:
     """--learning-curve: the toy task for 3 seeds; reward per step as a text chart, and learning_curve.png."""
     curves = []
     for seed in seeds:
@@ -2436,10 +2435,9 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
     save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
              {f"seed {s}": c for s, c in zip(seeds, curves)}, "mean reward (share of digits)",
              "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
-    return curves
 
 
-def plot_run(cfg: Config) -> list[dict]:
+def plot_run(cfg: Config) -> None:
     """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir: a table, curve.png."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
@@ -2453,7 +2451,6 @@ def plot_run(cfg: Config) -> list[dict]:
         print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
     save_png(Path(cfg.output_dir) / "curve.png", [m["step"] for m in steps], series, "mean / share per step",
              f"Flow-GRPO run in {cfg.output_dir}")
-    return steps
 
 
 def main(argv: Optional[list[str]] = None) -> int:
