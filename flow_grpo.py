@@ -2321,7 +2321,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         generated.clear()
         fixed.dedup = mode != "unshared"
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
-        with timed(t, "seconds"):
+        with timed(seconds, mode):
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, fixed, tools, group_size=g,
                                                              timings=t, share_prefill=mode == "lockstep")]
         if mode == "lockstep":  # and one update on its turns: their share of a training step
@@ -2333,9 +2333,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
         where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
-        print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
+        print(f"  {mode:10s} {seconds[mode]:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
-        seconds[mode] = t["seconds"]
     print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
           f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
     return prompts
