@@ -2392,8 +2392,7 @@ def _remote_speedup(group: int) -> None:
 
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """--benchmark, the README's performance table (its memory row is a test): rollouts lockstep vs unshared vs
-    sequential, the sampling loop vs generate() on their planner prompts, and remote concurrency."""
+    """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls."""
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
     rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
