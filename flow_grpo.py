@@ -1325,8 +1325,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
     with timed(timings, "fixed"):
         finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
-    for st, text in zip(states, finals):
-        text = text.strip()
+    for st, text in zip(states, map(str.strip, finals)):
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
     return states
 
