@@ -1713,8 +1713,7 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
         n = mask_BA.sum().clamp(min=1).item()
         stats = {"clip_frac": ((surr_clipped_BA < surr_BA) & mask_BA).sum().item() / n,
                  "dual_clip_frac": ((adv_B1 < 0) & (ratio_BA > (clip_ratio_c or math.inf)) & mask_BA).sum().item() / n,
-                 "kl": (kl_BA * mask_BA).sum().item() / n,
-                 "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
+                 "kl": (kl_BA * mask_BA).sum().item() / n, "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
                  "tokens": int(mask_BA.sum().item())}
     return loss, stats
 
