@@ -1486,8 +1486,7 @@ def extract_answer(text: str) -> str:
     """The final answer in the last ANSWER_TAIL characters: inside the last <answer> tag (closed or not), else
     anywhere; there the last \\boxed{}, else the line after the last "answer is"/"Answer:", else the last line."""
     inner = text[-ANSWER_TAIL:]
-    opened = [m.end() for m in re.finditer("<answer>", inner, re.I)]
-    if opened:
+    if opened := [m.end() for m in re.finditer("<answer>", inner, re.I)]:
         closed = re.compile("</answer>", re.I).search(inner, opened[-1])
         inner = inner[opened[-1]:closed.start() if closed else None]
     if (boxed := last_boxed(inner)) is not None:
@@ -1550,8 +1549,7 @@ def math_verify_equal(gold: str, pred: str) -> bool:
     import select
 
     with _math_lock:
-        first = "proc" not in _math_worker  # its first reply also waits for sympy's import
-        if first:
+        if first := "proc" not in _math_worker:  # its first reply also waits for sympy's import
             _math_worker["proc"] = subprocess.Popen([sys.executable, "-c", MATH_WORKER], stdin=subprocess.PIPE,
                                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         proc, reply = _math_worker["proc"], ""
