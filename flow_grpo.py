@@ -193,7 +193,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on 2 CPU cores learns to route arithmetic to Python in one turn. No KL: the base writes no parseable plan.
-    # Sized for an hour on 2 cores (README): B x G = 8 trajectories, ~97 s per step, 30 steps after 8 SFT steps.
+    # Sized for under an hour on 2 cores (README): B x G = 8 trajectories, 65-97 s a step, 30 steps after 8 SFT steps.
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
                 val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                 batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
@@ -1278,7 +1278,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8,
                 timings: Optional[dict] = None) -> list[AgentState]:
     """Run the agent on every question, all trajectories in lockstep. Returns the finished states."""
-    states = [AgentState(q, Memory(max_chars=memory_chars)) for q in questions]
+    states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
         analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
     for st, a in zip(states, analyses):
@@ -1411,7 +1411,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
     prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
     actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
-    return [Sample(prompt_ids_U[u], a, logp_BA[b, :len(a)], tokenizer.decode(a, skip_special_tokens=True))
+    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=a, logprobs=logp_BA[b, :len(a)],
+                   text=tokenizer.decode(a, skip_special_tokens=True))
             for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
 
 
