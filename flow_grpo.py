@@ -677,15 +677,16 @@ SANDBOX_TMPFS_MB = 64  # the private tmpfs, the only writable place (cwd = HOME 
 _SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.base_prefix, sys.prefix)
 _SANDBOX: Optional[tuple[bool, bool]] = None  # probed once: (use the namespaces?, use cgroups?)
 _SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run while the probe runs
-# As root of the new mount namespace: join the cgroups ($1), make a tmpfs root of the dirs up to "--" (r/o).
+# As root of the new mount namespace: join the cgroups ($1), make a tmpfs root of the dirs up to "--" (r/o). The
+# tmpfs covers the run's own empty directory, not /tmp: a Python installed under /tmp must stay visible.
 _JAIL_SETUP = f"""set -e; umask 022; for cg in $1; do echo $$ > "$cg/cgroup.procs"; done; shift
-mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox /tmp; cd /tmp
+mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox "$PWD"; cd "$PWD"
 while [ "$1" != -- ]; do
   if [ -L "$1" ]; then ln -s "$(readlink "$1")" ".$1"  # /bin -> usr/bin
   elif [ -d "$1" ] && [ ! -e ".$1" ]; then  # (not inside an earlier one)
     mkdir -p ".$1"; mount --rbind "$1" ".$1"; mount -o remount,bind,ro,nosuid,nodev ".$1"
   fi; shift
-done; shift; mkdir proc dev; mkdir -m 1777 tmp dev/shm
+done; shift; mkdir -p proc dev/shm tmp; chmod 1777 tmp dev/shm  # tmp may hold a bound dir already
 for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; exec "$@"
 """
 
