@@ -798,7 +798,7 @@ def test_temp_dir_is_cwd_and_removed():
 
 
 def test_a_python_installed_under_the_temp_dir_is_visible_and_read_only_in_the_jail(tmp_path, monkeypatch):
-    """A venv made under /tmp (CI machines do that) is bound into the jail read-only like the system's Python:
+    """A venv made under /tmp (a CI job's, say) is bound into the jail read-only like the system's Python:
     when the jail's tmpfs covered /tmp, the interpreter vanished and no snippet could start at all."""
     if "namespaces" in fg.sandbox_missing_layers():
         pytest.skip("this system gives the sandbox no mount namespace: there is no jail to look into")
