@@ -681,13 +681,12 @@ _SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run whil
 # tmpfs covers the run's own empty directory, not /tmp: a Python installed under /tmp must stay visible.
 _JAIL_SETUP = f"""set -e; umask 022; for cg in $1; do echo $$ > "$cg/cgroup.procs"; done; shift
 mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox "$PWD"; cd "$PWD"
-while [ "$1" != -- ]; do
-  if [ -L "$1" ]; then ln -s "$(readlink "$1")" ".$1"  # /bin -> usr/bin
-  elif [ -d "$1" ] && [ ! -e ".$1" ]; then  # (not inside an earlier one)
+while [ "$1" != -- ]; do  # a symlink (/bin -> usr/bin, a venv's path) is bound at its own path, as a dir
+  if [ -d "$1" ] && [ ! -e ".$1" ]; then  # (not inside an earlier one)
     mkdir -p ".$1"; mount --rbind "$1" ".$1"; mount -o remount,bind,ro,nosuid,nodev ".$1"
   fi; shift
 done; shift; mkdir -p proc dev/shm tmp; chmod 1777 tmp dev/shm  # tmp may hold a bound dir already
-for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; exec "$@"
+for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; unset OLDPWD; PWD=/tmp exec "$@"
 """
 
 

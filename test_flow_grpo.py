@@ -788,25 +788,32 @@ def test_children_left_behind_are_killed():
 
 def test_temp_dir_is_cwd_and_removed():
     name = f"junk-{random.randrange(10**9)}.txt"
-    result = run_python(f"import os\nopen('{name}', 'w').write('x')\nprint(os.getcwd(), os.environ['HOME'])")
-    cwd, home = result["stdout"].split()
-    assert cwd == home and not os.path.exists(os.path.join(cwd, name))
+    result = run_python(f"import os\nopen('{name}', 'w').write('x')\nprint(os.getcwd(), os.environ['HOME'], "
+                        "os.environ.get('PWD', os.getcwd()), 'OLDPWD' in os.environ)")  # no host path in them
+    cwd, home, pwd, oldpwd = result["stdout"].split()
+    assert cwd == home == pwd and oldpwd == "False" and not os.path.exists(os.path.join(cwd, name))
     if "namespaces" not in fg.sandbox_missing_layers():
         assert cwd == "/tmp"  # the sandbox's own tmpfs, gone with its mount namespace (not the host's /tmp)
     else:
         assert os.path.basename(cwd).startswith("flowgrpo_run_") and not os.path.exists(cwd)
 
 
-def test_a_python_installed_under_the_temp_dir_is_visible_and_read_only_in_the_jail(tmp_path, monkeypatch):
-    """A venv made under /tmp (a CI job's, say) is bound into the jail read-only like the system's Python:
-    when the jail's tmpfs covered /tmp, the interpreter vanished and no snippet could start at all."""
+def test_a_python_under_the_temp_dir_or_behind_a_symlink_is_visible_and_read_only_in_the_jail(tmp_path, monkeypatch):
+    """A venv made under /tmp (a CI job's, say), or whose path is a symlink, is bound into the jail read-only at
+    its own path. When the jail's tmpfs covered /tmp, or a symlinked path was copied as a link to nowhere, the
+    interpreter was missing there and the probe fell back to running with no namespaces at all."""
     if "namespaces" in fg.sandbox_missing_layers():
         pytest.skip("this system gives the sandbox no mount namespace: there is no jail to look into")
-    tmp_path.chmod(0o755)  # (pytest's is 0700: only root could read it)
-    (tmp_path / "marker.txt").write_text("seen")
-    monkeypatch.setattr(fg, "_SANDBOX_READ_ONLY", (*fg._SANDBOX_READ_ONLY, str(tmp_path)))
-    result = run_python(f"print(open({str(tmp_path / 'marker.txt')!r}).read())\nopen({str(tmp_path / 'x')!r}, 'w')")
-    assert result["stdout"] == "seen\n" and "Read-only file system" in result["error"], result
+    venv, real, link = tmp_path / "venv", tmp_path / "real", tmp_path / "links" / "venv"
+    for folder in (venv, real):
+        folder.mkdir(mode=0o755)
+        (folder / "marker.txt").write_text(folder.name)
+    link.parent.mkdir()
+    link.symlink_to(real)
+    monkeypatch.setattr(fg, "_SANDBOX_READ_ONLY", (*fg._SANDBOX_READ_ONLY, str(venv), str(link)))
+    result = run_python(f"for d in {[str(venv), str(link)]!r}:\n    print(open(d + '/marker.txt').read())\n"
+                        f"open({str(link)!r} + '/x', 'w')")
+    assert result["stdout"] == "venv\nreal\n" and "Read-only file system" in result["error"], result
 
 
 def test_cwd_cannot_shadow_stdlib():
