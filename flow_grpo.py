@@ -811,13 +811,17 @@ def sandbox_missing_layers() -> list[str]:
     with _SANDBOX_LOCK:
         if _SANDBOX is None:
             check = "import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read())"
+            errors = []  # the first one is logged: a system's refusal, or a set-up we did not foresee
             for jail, cgroups in ((True, os.geteuid() == 0), (True, False), (False, False)):
                 with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
-                    if _run_sandboxed(check, 10.0, 256, 99, jail, cgroups)["stdout"] == f"{jail} {cgroups}\n":
+                    probe = _run_sandboxed(check, 10.0, 256, 200, jail, cgroups)
+                    if probe["stdout"] == f"{jail} {cgroups}\n":
                         break
+                    errors += [probe["error"]] if probe["error"] else []
             _SANDBOX = (jail, cgroups)
             if not (jail and cgroups):
-                log(f"sandbox: no {'cgroup' if jail else 'namespaces, no cgroup'} here (see the README)")
+                why = f" ({errors[0][:200]})" if errors else ""
+                log(f"sandbox: no {'cgroup' if jail else 'namespaces, no cgroup'} here{why} (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup"), _SANDBOX) if not ok]
 
 

@@ -1058,12 +1058,13 @@ def test_a_fork_bomb_is_bounded(hostile_runs, user):
 
 
 def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, capsys):
-    """Without the namespaces (here: an unshare that does not exist) the first call logs ONE line naming
-    what is missing, and every call still runs with the layers that are left. Root's code still runs as uid
-    65534, or not at all: where uid 65534 cannot reach the interpreter (/root/.pyenv), every call says so."""
-    jail = fg._jail
+    """Without the namespaces (here: an unshare that refuses, as under a strict seccomp profile) the first call
+    logs ONE line naming what is missing and why, and every call still runs with the layers that are left.
+    Root's code still runs as uid 65534, or not at all: where uid 65534 cannot reach the interpreter
+    (/root/.pyenv), every call says so."""
+    jail, refuse = fg._jail, ["sh", "-c", "echo 'unshare: unshare failed: Operation not permitted' >&2; exit 1", "sh"]
     monkeypatch.setattr(fg, "_SANDBOX", None)
-    monkeypatch.setattr(fg, "_jail", lambda ns, cgroups: ["/nonexistent/unshare"] if ns else jail(ns, cgroups))
+    monkeypatch.setattr(fg, "_jail", lambda ns, cgroups: refuse if ns else jail(ns, cgroups))
     results = [fg.run_python("import os\nprint(os.getuid())") for _ in range(2)]
     if os.getuid() != 0:
         assert all(r["stdout"] == f"{os.getuid()}\n" for r in results), results
@@ -1072,7 +1073,8 @@ def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, 
     else:
         assert all(r["stdout"] == "65534\n" for r in results), results
     assert fg.sandbox_missing_layers() == ["namespaces", "cgroup"]
-    assert capsys.readouterr().err.splitlines() == ["sandbox: no namespaces, no cgroup here (see the README)"]
+    assert capsys.readouterr().err.splitlines() == ["sandbox: no namespaces, no cgroup here (unshare: unshare failed: "
+                                                    "Operation not permitted) (see the README)"]
 
 
 def test_chunk_words_size_and_overlap():
