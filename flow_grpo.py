@@ -338,8 +338,9 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
                    progress_s: float = 30.0) -> list:
     """[fn(item) for item in items] in daemon threads, at most `slots` at once; a call that raises or is not done
     within timeout_s in all gives None. A long wait logs progress: slow, not a silent stall."""
-    futures = [in_daemon_thread(functools.partial(fn, item), slots) for item in items]
-    t0, pending = time.monotonic(), futures
+    t0 = time.monotonic()
+    call = lambda item: fn(item) if time.monotonic() < t0 + timeout_s else None  # its slot freed too late: skip it
+    pending = futures = [in_daemon_thread(functools.partial(call, item), slots) for item in items]
     while pending and (left := t0 + timeout_s - time.monotonic()) > 0:
         done, pending = concurrent.futures.wait(futures, timeout=min(left, progress_s))
         if pending:
@@ -424,6 +425,12 @@ def render_chat(tokenizer, prompt: str) -> str:
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+
+
+# One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
+# model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
+# late, would switch the adapter off under the planner's sampling or the update (base log-probs, no LoRA gradient).
+MODEL_LOCK = threading.Lock()
 
 
 # The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
@@ -515,7 +522,6 @@ class LocalEngine(Engine):
     JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts and whoever gets the lock
     serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to a third of the token limit
-    _generation_lock = threading.Lock()  # for all instances: the adapter switch is state of the one shared model
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
@@ -528,7 +534,7 @@ class LocalEngine(Engine):
         mine: concurrent.futures.Future = concurrent.futures.Future()
         with self._queue_lock:
             self._queue.append((prompts, max_tokens, [schema] * len(prompts), mine))
-        with self._generation_lock:  # whoever holds it serves the whole queue, so we may find ours already done
+        with MODEL_LOCK:  # whoever holds it serves the whole queue, so we may find ours already done
             if not mine.done():
                 with self._queue_lock:
                     queued, self._queue = self._queue, []
@@ -1452,8 +1458,9 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
         rendered = [render_chat(tokenizer, p) for p in prompts]
-        return sample_actions(model, tokenizer, rendered, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, share_prefill=share_prefill)
+        with MODEL_LOCK:  # a late frozen-role call waits: these samples are the policy's, adapter on
+            return sample_actions(model, tokenizer, rendered, max_new_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, share_prefill=share_prefill)
 
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
@@ -2030,6 +2037,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    for group in optimizer.param_groups:  # the step's lr under THIS run's schedule: --max-steps may have changed
+        group["lr"] = group["initial_lr"] * scheduler.lr_lambdas[0](scheduler.last_epoch)
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
@@ -2119,9 +2128,10 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     group_ids = [i // G for i in range(len(states))]
     rows = build_rows(states, rewards, group_ids, cfg.adv_scale, cfg.adv_unit)
     t1 = time.perf_counter()
-    fill_old_and_ref(model, rows, cfg)
-    lr = scheduler.get_last_lr()[0]  # the learning rate of this step's updates
-    upd = update_policy(model, optimizer, rows, cfg, step)
+    lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
+    with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
+        fill_old_and_ref(model, rows, cfg)
+        upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
     metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd, "rows": len(rows), "lr": lr,
                "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),

@@ -530,6 +530,19 @@ def test_remote_hung_server_is_bounded_at_start_and_per_phase(standin, capsys):
     assert slow == [None, None] and "[wait] naps: 1/2 done" in capsys.readouterr().err  # progress while waiting
 
 
+def test_a_call_still_queued_at_the_deadline_never_starts():
+    started = []
+
+    def nap(i):
+        started.append(i)
+        time.sleep(0.5)
+        return i
+
+    assert fg.run_in_threads(nap, [0, 1, 2], threading.Semaphore(1), 0.3, "naps") == [None, None, None]
+    time.sleep(1.0)  # long enough for the queued calls to start, had they been allowed to
+    assert started == [0]  # abandoned work must not go on running (and calling engines) after its phase
+
+
 ROLE_SCHEMAS = [fg.QueryAnalysis, fg.Verification, fg.TitleSelection, fg.JudgeVerdict]
 
 
@@ -2290,6 +2303,45 @@ def test_one_update_changes_lora_and_not_base():
     assert any("lora_B" in n for n in changed)
 
 
+def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner_or_the_update(monkeypatch):
+    """A tool thread abandoned at a phase deadline may call the frozen engine (adapter off) at any later time. Here
+    one such call is in flight while the planner samples, another while the update runs: the samples must be the
+    policy's (ratio 1 against the captured log-probs) and the update must train LoRA (adapter off: no gradient)."""
+    cfg = fg.Config(model="tiny", device="cpu", batch_size=1, group_size=4, max_new_tokens=6, temperature=1.0,
+                    kl_coef=0.0, old_logprobs="captured", lora_r=4, lora_alpha=8)
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    with torch.no_grad():  # a trained-looking adapter: on and off give different log-probs
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    fixed, inside, generate = fg.LocalEngine(model, tok, max_tokens=2), threading.Event(), model.generate
+
+    def slow_generate(*args, **kwargs):  # LocalEngine has switched the adapter off by now; it stays off for 1 s
+        inside.set()
+        time.sleep(1.0)
+        return generate(*args, **kwargs)
+
+    def late_call():  # a frozen-role call from another thread; returns once that call is inside generate()
+        inside.clear()
+        threading.Thread(target=fixed.ask, args=("a late question",), daemon=True).start()
+        assert inside.wait(10)
+
+    def solve(questions, *, planner, **kw):
+        late_call()
+        samples = planner([f"plan for {q}" for q in questions])
+        late_call()  # still in flight when train_step updates
+        return [fg.AgentState(question=q, memory=fg.Memory(), final_output="<answer>1</answer>", turns=[
+            fg.Turn(plan_text=s.text, plan=None, call=None, result=None, planner_output=s)])
+            for q, s in zip(questions, samples)]
+
+    monkeypatch.setattr(model, "generate", slow_generate)
+    monkeypatch.setattr(fg, "solve_batch", solve)
+    monkeypatch.setattr(fg, "judge_rewards", lambda qs, *a: ([float(i % 2) for i in range(len(qs))], 0))
+    opt, sched = fg.make_optimizer(model, cfg)
+    m, _, _ = fg.train_step(model, tok, opt, sched, [{"question": "q", "answer": "1"}], fixed, None, {}, cfg, 1)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["grad_norm"] > 0 and m["skipped_updates"] == 0
+
+
 def test_non_finite_loss_skips_the_update(tiny):
     model, tok = tiny
     cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2)
@@ -2340,6 +2392,26 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert lrs[0] < lrs[1] < lrs[2] == pytest.approx(1.0)  # linear warmup
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # then monotone cosine decay
     assert lrs[-1] == pytest.approx(0.1)  # reaching the 10% floor on the last step
+
+
+def test_resume_with_more_steps_follows_the_new_schedule_from_its_first_step(tmp_path):
+    cfg = fg.Config(model="tiny", lr=1.0, warmup_steps=2, max_steps=10)
+    model, _ = fg.load_policy(cfg, "cpu", trainable=True)
+    opt, sched = fg.make_optimizer(model, cfg)
+    for _ in range(5):  # 5 steps done (no gradients: the optimizer steps change nothing)
+        opt.step()
+        sched.step()
+    ckpt = fg.save_checkpoint(tmp_path, 5, model, opt, sched, cfg)
+    longer = dataclasses.replace(cfg, max_steps=20)  # --resume --max-steps 20 is allowed (RESUME_SAFE)
+    (opt2, sched2), (opt3, sched3) = fg.make_optimizer(model, longer), fg.make_optimizer(model, longer)
+    assert fg.load_checkpoint(ckpt, model, opt2, sched2) == 5
+    for _ in range(5):  # the schedule of a run that had max_steps=20 from the start
+        opt3.step()
+        sched3.step()
+    for _ in range(3):  # steps 6, 7, 8: the new schedule's lr from the first resumed step on
+        assert opt2.param_groups[0]["lr"] == pytest.approx(opt3.param_groups[0]["lr"], rel=1e-9)
+        sched2.step()
+        sched3.step()
 
 
 def test_learning_toy_task_reward_rises():
