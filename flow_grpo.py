@@ -1518,9 +1518,11 @@ def strip_latex(text: str) -> str:
 def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     """'1,234', '-3.5', '2/3', '-\\frac{2}{3}', '50\\%' as an exact Fraction, else None. Thousands separators only
     in place ('1,2' is not 12); exponents capped (1e100000000 would build a 100-million-digit integer).
-    words_after: '6 ways', '1,454 feet' are their number ('7 million', '3 April 1945' are not)."""
+    words_after: lower-case words make a unit: '6 ways', '1,454 feet', '5 cm^2' are their number ('7 Million',
+    '50 Cent', '2 pi', '144 minus twelve', '3 April 1945' are not)."""
     if words_after:
-        m = re.fullmatch(r"(\S+)\s+(?!(?:hundred|thousand|million|billion|trillion)\b)[a-zA-Z][a-zA-Z\s.]*", text)
+        not_units = r"(?i:hundred|thousand|million|billion|trillion|dozen|bn|pi|plus|minus|times|over|or)s?\b"
+        m = re.fullmatch(r"(\S+)\s+(?!" + not_units + r")[a-z]{2}[a-zA-Z\s./]*(\^\{?\d\}?)?", text)
         text = m.group(1) if m else ""
     t = re.sub(r"^(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}$", r"\1\2/\3", re.sub(r"\\?%$", "", strip_latex(text)))
     number = r"(?=\.?\d)(\d{1,3}(,\d{3})+|\d*)(\.\d+)?([eE][-+]?\d{1,3})?"
@@ -1544,10 +1546,13 @@ def normalize_text(text: str) -> str:
 # (multiprocessing would re-import the caller's __main__.) Answers go in \boxed{}: a bare '2\sqrt{3}' parses as 2.
 MATH_WORKER = r"""
 import json, sys
+out, sys.stdout = sys.stdout, sys.stderr  # verdicts alone on the pipe: a stray print cannot shift them by one
 from math_verify import parse, verify
+print("ready", file=out, flush=True)  # imported: from here on each comparison gets SYMPY_TIMEOUT_S
 for line in sys.stdin:
     parsed = [parse("\\boxed{%s}" % s, parsing_timeout=None) for s in json.loads(line)]
-    print(int(bool(parsed[0] and parsed[1]) and verify(*parsed, timeout_seconds=None)), flush=True)
+    same = bool(parsed[0] and parsed[1]) and verify(*parsed, float_rounding=15, timeout_seconds=None)  # not 6:
+    print(int(same), file=out, flush=True)  # else 1.414214 would be sqrt(2), though 0.33 is not 1/3
 """
 _math_worker: dict = {}  # "proc": the running worker; calls from several threads take turns (_math_lock)
 _math_lock = threading.Lock()
@@ -1558,15 +1563,17 @@ def math_verify_equal(gold: str, pred: str) -> bool:
     import select
 
     with _math_lock:
-        if first := "proc" not in _math_worker:  # its first reply also waits for sympy's import
+        if first := "proc" not in _math_worker:
             _math_worker["proc"] = subprocess.Popen([sys.executable, "-c", MATH_WORKER], stdin=subprocess.PIPE,
                                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         proc, reply = _math_worker["proc"], ""
         try:
             with contextlib.suppress(BrokenPipeError):  # it died
-                print(json.dumps([gold, pred]), file=proc.stdin, flush=True)
-                if select.select([proc.stdout], [], [], 120 if first else SYMPY_TIMEOUT_S)[0]:
-                    reply = proc.stdout.readline()
+                # a new worker's imports may take a minute, but only its "ready" line waits that long
+                if not first or select.select([proc.stdout], [], [], 120)[0] and proc.stdout.readline() == "ready\n":
+                    print(json.dumps([gold, pred]), file=proc.stdin, flush=True)
+                    if select.select([proc.stdout], [], [], SYMPY_TIMEOUT_S)[0]:
+                        reply = proc.stdout.readline()
         finally:  # too slow, dead or interrupted (a late reply would answer the next question): a fresh one
             if not reply:
                 _math_worker.pop("proc").kill()
@@ -1589,8 +1596,9 @@ def answers_match(pred: str, gold: str) -> bool:
     if strip_latex(pred) == strip_latex(gold) != "":
         return True
     misread = [len(s) > SYMPY_MAX or last_boxed(f"\\boxed{{{s}}}") != s or re.search(r"\d(\s|\\[ ,;:])+\d", s)
-               or re.search(r"(?<![\\a-zA-Z{])[a-zA-Z]{3}", s) for s in (pred, gold)]  # a word: '5 because 3! = 6'
-    sets = {s.startswith("\\{") for s in (pred, gold) if s[:1] in "([\\"}  # it takes {1, 2} for (1, 2)
+               or re.search(r"(?<![\\a-zA-Z{])[a-zA-Z]{3}", s)  # a word: '5 because 3! = 6'
+               or re.search(r"\\(?:lor|vee|land|wedge|neg|not|operatorname)(?![a-zA-Z])", s) for s in (pred, gold)]
+    sets = {t.startswith("\\{") for t in map(strip_latex, (pred, gold)) if t[:1] in "([\\"}  # {1, 2} read as (1, 2)
     capitals = [sorted(re.findall("[A-Z]", s)) for s in (pred, gold)]  # it reads \Sigma as \sigma
     if not pred or any(misread) or len(sets) > 1 or capitals[0] != capitals[1]:
         return False
@@ -1598,10 +1606,13 @@ def answers_match(pred: str, gold: str) -> bool:
 
 
 def rule_reward(answer: str, ground_truth: str) -> float:
-    """1.0 if the extracted answer matches a whole gold answer (NQ joins several with "; "): '1444' is not '144'.
-    Both sides get one spelling (SPELLINGS) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
-    pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r"\1", s.translate(SPELLINGS)).strip()
-                    for s in [extract_answer(answer), *str(ground_truth).split("; ")]]
+    """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. NQ joins its aliases with "; "; a
+    math gold (LaTeX, =, brackets) is never split: 'y = 2' is not 'x = 1; y = 2'. Both sides get one spelling
+    (SPELLINGS, no \\$) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
+    truth = str(ground_truth)
+    golds = [truth] if re.search(r"[\\=^{}\[\]]", truth) else truth.split("; ")
+    pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox|hbox)\{([^{}]*)\}", r"\1",
+                           s.replace("\\$", "").translate(SPELLINGS)).strip() for s in [extract_answer(answer), *golds]]
     return float(any(answers_match(pred, g) for g in golds if g))
 
 

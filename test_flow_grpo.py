@@ -1757,6 +1757,23 @@ def test_action_logprobs_peaks_under_a_quarter_of_a_naive_log_softmax():
     ("<answer>\\leftarrow</answer>", "\\rightarrow", 0.0),
     ("<answer>\\Sigma</answer>", "\\sigma", 0.0),
     ("<answer>Catch-22</answer>", "Catch 22", 1.0),  # a hyphen inside a name is text, not a minus sign
+    # "; " joins NQ's aliases, never the parts of one math answer: half of it is not the answer
+    ("<answer>y = 2</answer>", "x = 1; y = 2", 0.0),
+    ("<answer>x = 1; y = 2</answer>", "x = 1; y = 2", 1.0),
+    ("<answer>1]</answer>", "[0; 1]", 0.0),
+    # lower-case words after a number are a unit; a multiplier, a name, pi or more arithmetic are not
+    ("<answer>5 cm^2</answer>", "5", 1.0),
+    ("<answer>2.5</answer>", "2.5 Million", 0.0),
+    ("<answer>7</answer>", "7 millions", 0.0),
+    ("<answer>50</answer>", "50 Cent", 0.0),
+    ("<answer>2 pi</answer>", "2", 0.0),
+    ("<answer>144 minus twelve</answer>", "144", 0.0),
+    # what math-verify would read as its last expression alone, and its float tolerance, are kept from it
+    ("<answer>12 \\lor 144</answer>", "144", 0.0),
+    ("<answer>5 \\hbox{because} 3! = 6</answer>", "6", 0.0),
+    ("<answer>1.414214</answer>", "\\sqrt{2}", 0.0),
+    ("<answer>\\$1,200</answer>", "1200", 1.0),
+    ("<answer>\\{2,1\\}</answer>", "\\left\\{1, 2\\right\\}", 1.0),
 ])
 def test_rule_reward_table(answer, truth, expected):
     assert fg.rule_reward(answer, truth) == expected
@@ -1982,6 +1999,8 @@ def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypa
     worker = fg._math_worker["proc"]
     verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")
     assert verdict == 0.0 and seconds < 10 and worker.poll() is not None
+    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")  # a fresh worker's first:
+    assert verdict == 0.0 and seconds < 10 and "proc" not in fg._math_worker  # only its imports may take longer
     assert fg.rule_reward("<answer>(x+1)^2</answer>", "x^2+2x+1") == 1.0  # a fresh worker answers
 
 
