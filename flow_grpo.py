@@ -259,17 +259,16 @@ def log(msg: str) -> None:
 
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
-    """Model text -> `schema` instance, or None; never raises. Strict JSON first (the text, its first ```json
-    fence, its outermost {...} span), then json_repair: single quotes, trailing commas, truncation, prose."""
+    """Model text -> `schema` instance, or None; never raises. Strict JSON first (the text, its last ```json
+    fence, its outermost {...} span), then json_repair: single quotes, trailing commas, truncation, prose; of
+    several objects (an example or an echoed memory step first) the last valid one."""
     import json_repair
 
     if isinstance(text, schema):
         return text
     if not isinstance(text, str) or not text.strip():
         return None
-    candidates = [text]
-    if fence := re.search(r"```(?:json)?\s*(.*?)```", text, re.S):
-        candidates.append(fence.group(1))
+    candidates = [text, *re.findall(r"```(?:json)?(.*?)```", text, re.S)[-1:]]  # (a \s* before (.*?): quadratic)
     start, end = text.find("{"), text.rfind("}")
     if 0 <= start < end:
         candidates.append(text[start:end + 1])
@@ -279,10 +278,10 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     for cand in candidates[1:] + [text[start:] if start >= 0 else text]:
         with contextlib.suppress(Exception):
             obj = json_repair.loads(cand)  # already a Python object: no json.loads after it
-            if isinstance(obj, list):  # "[{...}]": a model that wrapped its object in a list
-                obj = next((o for o in obj if isinstance(o, dict)), None)
-            if isinstance(obj, dict):
-                return schema.model_validate(obj)
+            for o in reversed(obj if isinstance(obj, list) else [obj]):  # "[{...}]" or several objects: the last
+                with contextlib.suppress(Exception):
+                    json.dumps(o, ensure_ascii=False).encode()  # raises on a lone surrogate ("\ud83d"), as a tokenizer
+                    return schema.model_validate(o)
     return None
 
 
@@ -566,8 +565,8 @@ class LocalEngine(Engine):
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
-        greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
-                      pad_token_id=self.tokenizer.pad_token_id)  # the hub config's sampling knobs cleared
+        greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,  # the hub
+                      max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id)  # config's knobs cleared
         outs: list[str] = []
         with contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model), torch.no_grad():
             for i in range(0, len(prompts), self.batch_size):
@@ -1311,7 +1310,8 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         with timed(timings, "tools"):
             ran = run_in_threads(lambda pc: run_step(tools, *pc), list(zip(plans, calls)), slots,
                                  fixed.phase_timeout_s, "tool calls")
-        ran = [r or (None, {"error": f"no result within {fixed.phase_timeout_s:.0f} s"}) for r in ran]
+        ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
+                     {"error": f"no result within {fixed.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
         # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
         for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
             st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
@@ -1518,11 +1518,13 @@ def strip_latex(text: str) -> str:
 def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     """'1,234', '-3.5', '2/3', '-\\frac{2}{3}', '50\\%' as an exact Fraction, else None. Thousands separators only
     in place ('1,2' is not 12); exponents capped (1e100000000 would build a 100-million-digit integer).
-    words_after: lower-case words make a unit: '6 ways', '1,454 feet', '5 cm^2' are their number ('7 Million',
-    '50 Cent', '2 pi', '144 minus twelve', '3 April 1945' are not)."""
+    words_after: a unit after the number: lower-case words or a symbol of up to 3 letters: '6 ways', '1,454 feet',
+    '5 cm^2', '60 Hz' are their number ('7 Million', '7 M', '50 Cent', '2 pi', '144 minus twelve' are not)."""
     if words_after:
-        not_units = r"(?i:hundred|thousand|million|billion|trillion|dozen|bn|pi|plus|minus|times|over|or)s?\b"
-        m = re.fullmatch(r"(\S+)\s+(?!" + not_units + r")[a-z]{2}[a-zA-Z\s./]*(\^\{?\d\}?)?", text)
+        words = r"(?!(?i:hundred|thousand|million|billion|trillion|dozen|bn|pi|and|or|plus|minus|times|over|divided"
+        words += r"|squared|cubed|factorial|mod|if|sin|cos|tan|log|ln|sqrt|root)s?\b)[a-z]{2}[a-zA-Z\s./]*"
+        symbol = r"(?![KMBT]n?\b)(?=[a-z]?[A-Z])[a-zA-Z]{1,3}"  # kW, mL, V, USD; not K, M, B, T (multipliers)
+        m = re.fullmatch(rf"(\S+)\s+(?:{words}|{symbol})(\^\{{?\d\}}?)?", text)
         text = m.group(1) if m else ""
     t = re.sub(r"^(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}$", r"\1\2/\3", re.sub(r"\\?%$", "", strip_latex(text)))
     number = r"(?=\.?\d)(\d{1,3}(,\d{3})+|\d*)(\.\d+)?([eE][-+]?\d{1,3})?"
@@ -1606,11 +1608,13 @@ def answers_match(pred: str, gold: str) -> bool:
 
 
 def rule_reward(answer: str, ground_truth: str) -> float:
-    """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. NQ joins its aliases with "; "; a
-    math gold (LaTeX, =, brackets) is never split: 'y = 2' is not 'x = 1; y = 2'. Both sides get one spelling
+    """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases (words),
+    or the parts of ONE math answer, never split: 'y = 2' is not 'x = 1; y = 2'. Both sides get one spelling
     (SPELLINGS, no \\$) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
-    truth = str(ground_truth)
-    golds = [truth] if re.search(r"[\\=^{}\[\]]", truth) else truth.split("; ")
+    truth, parts = str(ground_truth), str(ground_truth).split("; ")
+    aliases = any(re.search(r"(?<![\\a-zA-Z])[a-zA-Z]{2}", p) for p in parts) and all(  # words, whole brackets
+        p.count(a) == p.count(b) for p in parts for a, b in ("()", "[]", "{}"))
+    golds = [truth, *(p for p in parts if aliases and len(parts) > 1 and "=" not in p)]
     pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox|hbox)\{([^{}]*)\}", r"\1",
                            s.replace("\\$", "").translate(SPELLINGS)).strip() for s in [extract_answer(answer), *golds]]
     return float(any(answers_match(pred, g) for g in golds if g))
@@ -2368,7 +2372,8 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     t2 = time.perf_counter()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0,
-                         max_new_tokens=n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+                         repetition_penalty=1.0, max_new_tokens=n, eos_token_id=stops,
+                         pad_token_id=tokenizer.pad_token_id)
     gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
                      for row in new[:, enc["input_ids"].shape[1]:].tolist())
     loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)  # decode = the n-token run - its prefill

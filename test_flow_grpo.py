@@ -321,6 +321,18 @@ def test_parse_structured_cases():
         assert fg.parse_structured(text, V) is None, text
 
 
+def test_parse_structured_takes_the_last_object_and_refuses_lone_surrogates():
+    step = json.dumps({"tool_name": "Old_Tool", "sub_goal": "an echoed memory step"})
+    plan = json.dumps({"tool_name": "New_Tool", "sub_goal": "the new plan"})
+    for text in (f"{step}\n{plan}", f"Earlier: {step}. Now: {plan}", f"```json\n{step}\n```\n```json\n{plan}\n```",
+                 f"```python\nprint(1)\n```\n{plan}"):
+        assert fg.parse_structured(text, fg.NextStep).tool_name == "New_Tool", text
+    # json_repair decodes "\ud83d" into a lone surrogate, which no tokenizer can encode: not a plan
+    assert fg.parse_structured('{"tool_name": "T", "sub_goal": "find \\ud83d"', fg.NextStep) is None
+    text = "```json" + " " * 40_000  # an unclosed fence: linear, not quadratic (this took 6 s)
+    assert timed(fg.parse_structured, text, fg.NextStep)[1] < 0.5
+
+
 def test_parse_structured_fuzz_never_raises():
     rng = random.Random(0)
     valid = json.dumps({"justification": "j", "context": "c", "sub_goal": "s", "tool_name": "Python_Coder_Tool"})
@@ -418,6 +430,17 @@ def test_local_engine_is_the_frozen_base(tiny):
     with model.disable_adapter():
         base_lp = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
     assert not torch.allclose(on, off, atol=1e-4) and torch.equal(off, base_lp)
+
+
+def test_local_engine_is_plain_greedy_whatever_the_hub_config_says(tiny, monkeypatch):
+    """Qwen2.5's generation_config sets repetition_penalty (and sampling knobs): the frozen roles must not inherit
+    them, or the answer role is penalised for copying a number from memory."""
+    model, tok = tiny
+    prompts = ["What is 2+2?", "Name a planet."]
+    plain = fg.LocalEngine(model, tok, max_tokens=12).generate(prompts)
+    for knob, value in (("repetition_penalty", 5.0), ("temperature", 0.01), ("top_k", 2), ("top_p", 0.01)):
+        monkeypatch.setattr(model.generation_config, knob, value)
+    assert fg.LocalEngine(model, tok, max_tokens=12).generate(prompts) == plain
 
 
 def test_local_engine_batches_concurrent_calls(tiny):
@@ -1531,7 +1554,8 @@ def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
     t0 = time.perf_counter()
     st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=fixed, tools={"Echo_Tool": Stuck()},
                         max_turns=1)[0]
-    assert time.perf_counter() - t0 < 3 and "no result within" in st.turns[0].result["error"]
+    assert time.perf_counter() - t0 < 3 and "no result within 0.5 s" in st.turns[0].result["error"]
+    assert st.turns[0].call["tool_name"] == "Echo_Tool" and st.stats["tool_error"] == 1  # a valid call, too slow
 
 
 class CountingRoles(fg.Engine):
@@ -1774,6 +1798,15 @@ def test_action_logprobs_peaks_under_a_quarter_of_a_naive_log_softmax():
     ("<answer>1.414214</answer>", "\\sqrt{2}", 0.0),
     ("<answer>\\$1,200</answer>", "1200", 1.0),
     ("<answer>\\{2,1\\}</answer>", "\\left\\{1, 2\\right\\}", 1.0),
+    ("<answer>Queen</answer>", "Queen; Queen [band]", 1.0),  # aliases are split even with brackets or math in one
+    ("<answer>mass-energy equivalence</answer>", "mass-energy equivalence; E=mc^2", 1.0),
+    ("<answer>(3, 4)</answer>", "(1, 2); (3, 4)", 0.0),
+    ("<answer>(1, 2); (3, 4)</answer>", "(1, 2); (3, 4)", 1.0),
+    ("<answer>3</answer>", "2; 3", 0.0),
+    ("<answer>60 Hz</answer>", "60", 1.0),  # a unit symbol, but not a multiplier
+    ("<answer>120</answer>", "120 V", 1.0),
+    ("<answer>7 M</answer>", "7", 0.0),
+    ("<answer>2 squared</answer>", "2", 0.0),
 ])
 def test_rule_reward_table(answer, truth, expected):
     assert fg.rule_reward(answer, truth) == expected
