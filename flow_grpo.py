@@ -81,6 +81,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import urllib.parse
@@ -864,7 +865,7 @@ def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     whole in one of them: chunk_words("a b c d e", size=3, overlap=1) -> ['a b c', 'c d e']."""
     if size <= 0 or not 0 <= overlap < size:
         raise ValueError(f"need size > 0 and 0 <= overlap < size, got size={size}, overlap={overlap}")
-    words = text.split()
+    words = [w[i:i + 20] for w in text.split() for i in range(0, len(w), 20)]  # no 2 MB "word" (minified JSON, CJK)
     starts = range(0, max(len(words) - overlap, 1), size - overlap)  # a later start: a window inside the one before
     return [" ".join(words[s:s + size]) for s in starts] if words else []
 
@@ -995,10 +996,10 @@ class GeneralistTool(Tool):
     tips = ("Use for reasoning, common knowledge, planning and summarising. Put every needed fact in the query; "
             "check facts with a search tool and calculations with Python_Coder_Tool.")
 
-    def run(self, args: Any) -> str:
+    def run(self, args: Any) -> Any:  # the answer text, or {"error": ...} (a failed remote call gives "")
         prompt = ("Answer the query below. Reason step by step, then give the final answer on a last line that "
                   f"starts with 'Answer:'.\n\nQuery: {args.query}")
-        return str(self.engine.ask(prompt, max_tokens=self.max_tokens))
+        return self.engine.ask(prompt, max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
 
 # --- Python coder: the LLM writes a program, the sandbox runs it
@@ -1015,6 +1016,8 @@ class PythonCoderTool(Tool):
     tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
             "with every number it needs.")
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
+    # Fenced blocks paired in order: ``` at the start of a line (indented or not) opens one, the next one closes it
+    FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
     def run(self, args: Any) -> dict:
         # Short on purpose: SmolLM2-135M's programs were right for 39/48 arithmetic tasks (questions and bare
@@ -1022,12 +1025,17 @@ class PythonCoderTool(Tool):
         prompt = (f"Write a Python program that prints the answer.\nTask: compute {args.query}\n"
                   "Reply with the program in one ```python block.")
         reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
-        code = (re.search(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", reply, re.DOTALL | re.IGNORECASE)
-                or re.search(r"```[ \t]*\n(.*?)```", reply, re.DOTALL))  # else a bare ``` block; ```bash never runs
+        blocks = [(lang.lower(), textwrap.dedent(code)) for lang, code in self.FENCED.findall(reply)]
+        code = next((c for want in (("python", "python3", "py", "py3"), ("",)) for lang, c in blocks if lang in want),
+                    None)  # the first ```python block, else the first bare one; ```bash never runs
         if code is None:
-            return {"code": "", "stdout": "", "error": "the model's reply contained no ```python code block"}
-        result = run_python(code.group(1), self.timeout_s, self.memory_mb, self.max_output_chars)
-        return {"code": code.group(1), "stdout": result["stdout"], "error": result["error"]}
+            why = "an unclosed ```python block (cut at the token limit?)" if re.search(r"```[ \t]*py", reply, re.I) \
+                else "no ```python code block"
+            return {"code": "", "stdout": "", "error": f"the model's reply contained {why}"}
+        result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars)
+        silent = result["error"] is None and not result["stdout"].strip()  # not a success: there is no answer in it
+        return {"code": code, "stdout": result["stdout"],
+                "error": "the program printed nothing; it must print the answer" if silent else result["error"]}
 
 
 # --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
@@ -1089,7 +1097,7 @@ class WikipediaTool(RAGTool):
                                         "say so and summarise what relevant information they do contain") for p in read]
         for page, summary in zip(read, self.engine.generate(prompts, max_tokens=self.max_tokens) if read else []):
             page["summary"] = summary
-        return {"query": query, "pages": pages}
+        return {"query": query, "pages": pages, **({} if read else {"error": "none of the pages could be read"})}
 
 
 # --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
@@ -1119,17 +1127,18 @@ def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, st
 
 
 def page_text(body: bytes, content_type: str) -> str:
-    """Visible text of an HTML page, or the decoded text body; whitespace collapsed to single spaces."""
+    """Visible text of an HTML page, or the decoded text body; whitespace collapsed to single spaces. The header's
+    charset comes first (as in browsers), then an HTML page's <meta charset> or a guess, a text body's UTF-8."""
+    charset = (re.search(r"charset=[\"']?([\w.:-]+)", content_type, re.IGNORECASE) or [None, None])[1]
     if content_type.startswith(_HTML_TYPES):
-        soup = BeautifulSoup(body, "html.parser")  # bytes, so that the page's <meta charset> is honoured
+        soup = BeautifulSoup(body, "html.parser", from_encoding=charset)  # bytes: a wrong header still falls back
         # recent bs4 leaves <script>/<style>/<template> out of get_text() but not <noscript>; older bs4 keeps all
         for tag in soup(["script", "style", "noscript", "template"]):
             tag.decompose()
         text = soup.get_text(separator=" ")
-    else:  # the header's charset, else UTF-8 (requests would guess ISO-8859-1 for a text/* without one)
-        charset = re.search(r"charset=[\"']?([\w.:-]+)", content_type, re.IGNORECASE)
+    else:  # (requests would guess ISO-8859-1 for a text/* without a charset)
         try:
-            text = body.decode(charset.group(1) if charset else "utf-8", errors="replace")
+            text = body.decode(charset or "utf-8", errors="replace")
         except LookupError:  # a charset name Python does not know
             text = body.decode("utf-8", errors="replace")
     return " ".join(text.split())
@@ -1157,8 +1166,8 @@ class WebRAGTool(RAGTool):
             return {"error": f"could not fetch {args.url}: {_short_error(e)}"}
         if not (text := page_text(body, content_type)):
             return {"error": f"no readable text at {args.url}"}
-        return str(self.engine.ask(self.grounded_prompt(args.query, text, f"the web page {args.url}"),
-                                   max_tokens=self.max_tokens))
+        return self.engine.ask(self.grounded_prompt(args.query, text, f"the web page {args.url}"),
+                               max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
 
 # --- Registry

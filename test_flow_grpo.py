@@ -1121,6 +1121,8 @@ def test_chunk_words_size_and_overlap():
     assert chunk_words("a b", size=4, overlap=1) == ["a b"]
     with pytest.raises(ValueError):
         chunk_words("a b", size=3, overlap=3)
+    # a page without spaces (minified JSON, CJK) must not become one 2 MB "word" in the prompt
+    assert max(map(len, chunk_words("x" * 100_000, size=150, overlap=20))) <= 150 * 21
 
 
 def test_bm25_ranks_relevant_chunk_first():
@@ -1175,6 +1177,7 @@ def test_generalist_passes_query_to_engine():
     answer = GeneralistTool(engine)({"query": "Why is the sky blue?"})
     assert "Query: Why is the sky blue?" in answer and "step by step" in answer
     assert len(engine.calls) == 1
+    assert "gave no answer" in GeneralistTool(ScriptedEngine(lambda p: ""))({"query": "q"})["error"]  # a failed call
 
 
 def test_python_coder_extracts_and_runs_code():
@@ -1191,6 +1194,22 @@ def test_python_coder_reports_missing_code_and_runtime_errors():
     assert bare["code"] == "print(1/0)\n" and bare["error"] == "ZeroDivisionError: division by zero"
     slow = PythonCoderTool(ScriptedEngine(lambda p: "```python\nwhile True: pass\n```"), timeout_s=1)
     assert slow({"query": "x"})["error"] == "timed out after 1.0 s"
+    silent = PythonCoderTool(ScriptedEngine(lambda p: "```python\nx = 6 * 7\n```"))({"query": "x"})
+    assert silent["stdout"] == "" and "printed nothing" in silent["error"]  # not a success: no answer in it
+    cut = PythonCoderTool(ScriptedEngine(lambda p: "Sure:\n```python\nprint(math.factorial(20)"))({"query": "x"})
+    assert "unclosed ```python block" in cut["error"]
+
+
+@pytest.mark.parametrize("reply, code", [
+    ("Install first:\n```bash\npip install sympy\n```\n\nThen:\n```\nprint(2 + 2)\n```", "print(2 + 2)\n"),
+    ("1. Run this:\n   ```python\n   x = 6 * 7\n   print(x)\n   ```", "x = 6 * 7\nprint(x)\n"),  # indented
+    ("```Python\r\nprint(4)\r\n```\r\n", "print(4)\r\n"),
+    ("```py3\nprint(4)\n```", "print(4)\n"),
+    ("```python\nprint('```')\nprint(4)\n```", "print('```')\nprint(4)\n"),  # a fence inside a line is code
+])
+def test_python_coder_pairs_fences_in_order(reply, code):
+    result = PythonCoderTool(ScriptedEngine(lambda p: reply))({"query": "x"})
+    assert result["code"] == code and result["error"] is None and result["stdout"].strip() in ("4", "42", "```\n4")
 
 
 FILLER = " ".join(f"Filler sentence number {i} talks about weather, rivers and mountains." for i in range(80))
@@ -1289,6 +1308,10 @@ def test_wikipedia_summary_disambiguation_and_missing_page(mediawiki):
                                                      "it may refer to: Mercury (planet), Mercury (element)"}
     assert missing == {"title": "Mercury (missing)", "error": "no Wikipedia page titled 'Mercury (missing)'"}
     assert mediawiki.requests[0]["srlimit"] == "10" and mediawiki.requests[0]["list"] == "search"
+    assert "error" not in result  # one page was read
+    unread = WikipediaTool(wiki_engine(["Mercury", "Mercury (missing)"]), timeout_s=5)(
+        {"query": "orbital period of mercury"})
+    assert len(unread["pages"]) == 2 and unread["error"] == "none of the pages could be read"  # counted as an error
 
 
 def test_wikipedia_falls_back_to_first_result_when_selection_fails(mediawiki):
@@ -1389,6 +1412,9 @@ def test_page_text_drops_script_style_and_noscript():
         assert noise not in text
     assert page_text("caf\u00e9".encode("latin-1"), "text/plain; charset=ISO-8859-1") == "caf\u00e9"
     assert page_text("caf\u00e9".encode("utf-8"), "text/plain") == "caf\u00e9"  # no charset: UTF-8
+    hello = "\u041f\u0440\u0438\u0432\u0435\u0442, \u043c\u0438\u0440"  # the header's charset, not a guess
+    assert page_text(f"<p>{hello}</p>".encode("windows-1251"), "text/html; charset=windows-1251") == hello
+    assert page_text("<p>Z\u00fcrich</p>".encode("latin-1"), "text/html; charset=iso-8859-1") == "Z\u00fcrich"
 
 
 def test_web_rag_sends_relevant_passage_without_script_noise(web):
