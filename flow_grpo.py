@@ -66,7 +66,9 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import functools
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -194,10 +196,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on 2 CPU cores learns to route arithmetic to Python in one turn. No KL: the base writes no parseable plan.
-    # Sized for under an hour on 2 cores (README): B x G = 8 trajectories, 65-97 s a step, 30 steps after 8 SFT steps.
+    # Sized for under an hour on 2 cores (README): B x G = 8 trajectories, 30 steps after 8 SFT steps. Micro-batches
+    # of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer for the backward: 8 rows of
+    # ~650 tokens peaked at 12 GB and ran 7 s a row, 2 rows at 2.7 GB and 4 s a row.
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
                 val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
-                batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8,
+                batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2,
                 kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
                 tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu"),
 }
@@ -237,12 +241,13 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     known = Config.tools.split(",")  # the default enables every tool there is
     if not tool_names(cfg) or any(t not in known for t in tool_names(cfg)):
         parser.error(f"--tools must name one or more of {known}, not {cfg.tools!r}")
-    if cfg.eval_limit < 0:
-        parser.error("--eval-limit must be >= 0 (0 = all)")
+    for name in ("eval_limit", "log_rollouts", "sft_steps", "warmup_steps"):
+        if getattr(cfg, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
     if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
         parser.error(f"--clip-ratio-c must be > 1, or 0 for off, not {cfg.clip_ratio_c!r}")
     for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
-                 "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every"):
+                 "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every", "lora_r"):
         if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
             parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
     return cfg
@@ -1790,9 +1795,9 @@ def resolve_model(name: str) -> str:
     path = Path(name)
     if not path.is_file():
         raise SystemExit(f"error: --model {name}: no such GGUF file")
-    st = path.stat()  # the cache is keyed by name, size and mtime: a changed file is converted again
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo" / (
-        f"{path.stem}-{st.st_size}-{int(st.st_mtime)}")
+    with path.open("rb") as f:  # keyed by name, size and content (its first 16 MB), not by mtime: a reinstall is
+        key = f"{path.stat().st_size}-{hashlib.sha256(f.read(1 << 24)).hexdigest()[:12]}"  # not converted again
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flow-grpo" / f"{path.stem}-{key}"
     if not folder.is_dir():
         dequantise_gguf(path, folder)
     return str(folder)
@@ -1814,10 +1819,10 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
             kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=torch.bfloat16))
-        name = resolve_model(cfg.model)
-        try:
+        try:  # offline, a typo, a gated repo, a folder or file that holds no model: one line, not a traceback
+            name = resolve_model(cfg.model)
             tokenizer, model = AutoTokenizer.from_pretrained(name), AutoModelForCausalLM.from_pretrained(name, **kwargs)
-        except OSError as e:  # offline, a typo, or a gated repo: one line, not a traceback
+        except (OSError, ValueError) as e:
             raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
                              f"(for an offline run use --preset smoke)")
         tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -1825,15 +1830,17 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model = model.to(device)
     elif trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-    if cfg.adapter:
-        if not (Path(cfg.adapter) / "adapter_config.json").exists():
-            raise SystemExit(f"error: --adapter {cfg.adapter}: no adapter_config.json there "
-                             f"(use a checkpoint-<step> folder)")
-        model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=trainable)
-    elif trainable:
-        model = get_peft_model(model, LoraConfig(
-            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-            target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()], task_type="CAUSAL_LM"))
+    if cfg.adapter and not (Path(cfg.adapter) / "adapter_config.json").exists():
+        raise SystemExit(f"error: --adapter {cfg.adapter}: no adapter_config.json (use a checkpoint-<step> folder)")
+    try:  # an adapter trained on another base model (shapes differ), --lora-targets that name no module
+        if cfg.adapter:
+            model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=trainable)
+        elif trainable:
+            model = get_peft_model(model, LoraConfig(
+                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
+                target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()], task_type="CAUSAL_LM"))
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: could not attach the LoRA adapter to {cfg.model!r}: {str(e).strip()[:300]}")
     if trainable and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -2025,12 +2032,17 @@ def make_optimizer(model, cfg: Config):
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config) -> Path:
     """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
-    model.save_pretrained(tmp)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
-               tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
-    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    try:
+        model.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
+                   tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos", a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"error: could not write {final} ({str(e).strip()[:200]}); the logs and older checkpoints "
+                         f"are intact: free space, then continue with --resume") from None
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
@@ -2095,8 +2107,8 @@ def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
         return None
     saved, now = json.loads((ckpt / "config.json").read_text()), dataclasses.asdict(cfg)
-    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in saved
-               if k in now and k not in RESUME_SAFE and saved[k] != now[k]]
+    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in saved if k in now and saved[k] != now[k]
+               and (k not in RESUME_SAFE or k.endswith("_base_url") and "" in (saved[k], now[k]))]  # ("": in-process)
     if changed:
         raise SystemExit(f"error: --resume would change the run saved in {ckpt}: {'; '.join(changed)}. Only these "
                          f"may change: {', '.join('--' + k.replace('_', '-') for k in RESUME_SAFE[2:])}")
@@ -2168,24 +2180,27 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
 
 
 class GracefulInterrupt:
-    """First Ctrl-C: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer), save, stop.
-    Second: os._exit at once, waiting for no request or tool; nothing saved is lost (logs and checkpoints are whole)."""
+    """First Ctrl-C (or SIGTERM, a job scheduler's stop): finish the step (a checkpoint mid-update would be half a step
+    ahead of its optimizer), save, stop. Second: os._exit at once, waiting for no request or tool; nothing saved is
+    lost (logs and checkpoints are whole)."""
 
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
         main = threading.current_thread() is threading.main_thread()
-        self.requested, self._old = False, signal.signal(signal.SIGINT, self._handler) if main else None
+        self.requested = False
+        self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         return self
 
     def _handler(self, signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.requested:
-            log("\nsecond Ctrl-C: stopping now; this step is not saved")
-            os._exit(130)  # 128 + SIGINT, the shell's code for "stopped by Ctrl-C"
+            log(f"\nsecond {name}: stopping now; this step is not saved")
+            os._exit(128 + signum)  # the shell's code for "stopped by this signal" (130 for Ctrl-C)
         self.requested = True
-        log("\nCtrl-C: finishing this step, then saving a checkpoint (press again to stop now, unsaved)")
+        log(f"\n{name}: finishing this step, then saving a checkpoint (again: stop now, unsaved)")
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
@@ -2231,11 +2246,18 @@ def train(cfg: Config) -> Path:
     random.seed(cfg.seed)
     device, out_dir, data_rows = pick_device(cfg), Path(cfg.output_dir), load_questions(cfg.train_file)
     last = resume_point(out_dir, cfg)
+    lock = (out_dir / ".lock").open("w")  # held while this process lives: two runs in one folder would mix their logs
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
     model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
     start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         trim_jsonl(out_dir / name, start)
+    if last and start >= cfg.max_steps:
+        log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
     if cfg.sft_steps > 0 and last is None:
         sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
         last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg)
@@ -2470,7 +2492,12 @@ def plot_run(cfg: Config) -> None:
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
-    steps = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    steps = []
+    for line in path.read_text().splitlines():  # a line torn by a crash is skipped, as --resume drops it
+        with contextlib.suppress(ValueError):
+            steps.append(json.loads(line))
+    if not steps:
+        raise SystemExit(f"error: {path} holds no finished step yet")
     shares = {f"{t.split('_')[0]} share": [m["tool_share"][t] for m in steps] for t in sorted(steps[0]["tool_share"])}
     series = {"reward": [m["reward_mean"] for m in steps], "plans parsed": [m["plan_parse_rate"] for m in steps],
               **shares}
@@ -2511,3 +2538,6 @@ if __name__ == "__main__":
             print(e.code, file=sys.stderr)
             e.code = 2
         raise
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (loading, SFT, --eval): nothing to save there
+        log("\ninterrupted")
+        sys.exit(130)

