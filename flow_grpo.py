@@ -1538,7 +1538,7 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
         words = r"(?!(?i:hundred|thousand|million|billion|trillion|dozen|bn|pi|and|or|plus|minus|times|over|divided"
         words += r"|squared|cubed|factorial|mod|if|sin|cos|tan|log|ln|sqrt|root)s?\b)[a-z]{2}[a-zA-Z\s./]*"
         symbol = r"(?![KMBT]n?\b)(?=[a-z]?[A-Z])[a-zA-Z]{1,3}"  # kW, mL, V, USD; not K, M, B, T (multipliers)
-        m = re.fullmatch(rf"(\S+)\s+(?:{words}|{symbol})(\^\{{?\d\}}?)?", text)
+        m = re.fullmatch(r"(\S+)\s+(?:" + words + "|" + symbol + r")(\^\{?\d\}?)?", text)
         text = m.group(1) if m else ""
     t = re.sub(r"^(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}$", r"\1\2/\3", re.sub(r"\\?%$", "", strip_latex(text)))
     number = r"(?=\.?\d)(\d{1,3}(,\d{3})+|\d*)(\.\d+)?([eE][-+]?\d{1,3})?"
@@ -1840,7 +1840,7 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
                 r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
                 target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()], task_type="CAUSAL_LM"))
     except (ValueError, RuntimeError) as e:
-        raise SystemExit(f"error: could not attach the LoRA adapter to {cfg.model!r}: {str(e).strip()[:300]}")
+        raise SystemExit(f"error: could not attach the LoRA adapter to {cfg.model!r}: {_short_error(e)}")
     if trainable and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -2041,8 +2041,8 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos", a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"error: could not write {final} ({str(e).strip()[:200]}); the logs and older checkpoints "
-                         f"are intact: free space, then continue with --resume") from None
+        raise SystemExit(f"error: could not write {final} ({_short_error(e, 200)}); the logs and older checkpoints are "
+                         f"intact: free space, then continue with --resume") from None
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final

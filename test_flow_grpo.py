@@ -2541,7 +2541,7 @@ def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, 
         fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: a job scheduler stopping the run
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])  # SIGTERM: a scheduler
 def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data, sig):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "flow_grpo.py", "--preset", "smoke", "--max-steps", "50", "--save-every", "100",
@@ -2697,6 +2697,7 @@ def test_a_model_or_adapter_that_does_not_load_is_one_error_line(tmp_path):
         with pytest.raises(SystemExit) as e:
             fg.load_policy(dataclasses.replace(cfg, **flags), "cpu", trainable=True)
         assert str(e.value.code).startswith("error:") and what in str(e.value.code), e.value.code
+        assert "\n" not in str(e.value.code)
 
 
 def test_rows_without_ground_truth_are_dropped_with_a_count(tmp_path, capsys):
