@@ -1832,6 +1832,8 @@ def test_action_logprobs_peaks_under_a_quarter_of_a_naive_log_softmax():
     ("<answer>(3, 4)</answer>", "(1, 2); (3, 4)", 0.0),
     ("<answer>(1, 2); (3, 4)</answer>", "(1, 2); (3, 4)", 1.0),
     ("<answer>3</answer>", "2; 3", 0.0),
+    ("<answer>The answer is: 9379 + 2894.</answer>", "12273", 0.0),  # the question restated, not answered
+    ("<answer>2.04 \\times 10^2</answer>", "204", 1.0),
     ("<answer>60 Hz</answer>", "60", 1.0),  # a unit symbol, but not a multiplier
     ("<answer>120</answer>", "120 V", 1.0),
     ("<answer>7 M</answer>", "7", 0.0),
@@ -1871,7 +1873,7 @@ DEEPMATH = [  # (gold, correct, wrong)
      [r"\begin{pmatrix}1&3\\2&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&5\end{pmatrix}"]),
     ("5!", ["120", "5!", r"1 \cdot 2 \cdot 3 \cdot 4 \cdot 5"], ["24", "5", "6!"]),
     (r"\binom{10}{3}", ["120", r"\binom{10}{3}", r"\binom{10}{7}"], [r"\binom{10}{4}", "720", "30"]),
-    ("6", ["6", "3!", "6.0"], ["5", "7", "-6"]),
+    ("6", ["6", "x = 6", "6.0"], ["5", "7", "-6", "3!"]),  # a plain-number gold wants the number, not 3!
     (r"\frac{3}{4}", [r"\frac34", "0.75", "3/4", r"\tfrac{3}{4}"], [r"\frac{4}{3}", "0.7", r"\frac{3}{5}"]),
     (r"\sqrt{2}", [r"\sqrt{2}", r"\sqrt 2", "2^{1/2}", r"\frac{2}{\sqrt{2}}"], ["2", r"\sqrt{3}", "1.41"]),
     (r"\frac{1}{3}", [r"\frac{1}{3}", "1/3", r"\frac{2}{6}"], ["0.33", "0.333", r"\frac{1}{4}", "3"]),
