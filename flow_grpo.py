@@ -69,6 +69,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import http.server
 import importlib.util
 import inspect
 import json
@@ -78,6 +79,7 @@ import os
 import random
 import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -101,8 +103,10 @@ import torch
 import wikipedia
 from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from safetensors.torch import load_file
+from tqdm import tqdm
 
-from prepare_data import load_questions  # reads the parquet files that prepare_data.py writes
+import prepare_data  # writes the parquet files (and builds the presets' offline data); load_questions reads them
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
@@ -195,10 +199,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
-    # SmolLM2 on 2 CPU cores learns to route arithmetic to Python in one turn. No KL: the base writes no parseable plan.
-    # Sized for under an hour on 2 cores (README): B x G = 8 trajectories, 30 steps after 8 SFT steps. Micro-batches
-    # of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer for the backward: 8 rows of
-    # ~650 tokens peaked at 12 GB and ran 7 s a row, 2 rows at 2.7 GB and 4 s a row.
+    # SmolLM2 learns to route arithmetic to Python in one turn, sized for under an hour on 2 CPU cores (README). No KL:
+    # the base writes no parseable plan. Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P]
+    # per layer for the backward: 8 rows of ~650 tokens peaked at 12 GB (7 s a row), 2 rows at 2.7 GB (4 s a row).
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
                 val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                 batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2,
@@ -220,13 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
     p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent (see flow_grpo.py).")
     for f in dataclasses.fields(Config):
-        flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
-        helptext = f"{f.metadata['help']} (default: {f.default!r})"
-        if kind is bool:  # booleans are switches; --no-x turns one off again
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=helptext)
-        else:
-            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=helptext, choices=CHOICES.get(f.name),
-                           metavar=kind.__name__.upper())
+        kind = type(f.default)  # booleans are switches (--no-x turns one off again), the rest take a typed value
+        how = (dict(action=argparse.BooleanOptionalAction) if kind is bool
+               else dict(type=kind, choices=CHOICES.get(f.name), metavar=kind.__name__.upper()))
+        p.add_argument("--" + f.name.replace("_", "-"), default=argparse.SUPPRESS,
+                       help=f"{f.metadata['help']} (default: {f.default!r})", **how)
     return p
 
 
@@ -670,8 +671,7 @@ class Memory:
 # react to ("timed out", "no page"). First the building blocks: the sandbox, wall-clock timeouts, retrieval.
 
 
-# --- Sandboxed Python execution: untrusted model code runs inside these layers; the first call logs one line
-# naming any this system lacks.
+# --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
 #   layer                 | what it stops                                     | how
 #   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
@@ -1576,8 +1576,6 @@ _math_lock = threading.Lock()
 
 def math_verify_equal(gold: str, pred: str) -> bool:
     """MATH_WORKER's verdict, or False after SYMPY_TIMEOUT_S."""
-    import select
-
     with _math_lock:
         if first := "proc" not in _math_worker:
             _math_worker["proc"] = subprocess.Popen([sys.executable, "-c", MATH_WORKER], stdin=subprocess.PIPE,
@@ -1885,8 +1883,6 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
-    import prepare_data
-
     own, split = PRESETS.get(cfg.preset, {}), None
     for i, (path, key) in enumerate(((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))):
         if path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
@@ -2052,8 +2048,6 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     """The newest checkpoint whose three files read back whole (a full disk or a partial copy can tear one)."""
-    from safetensors.torch import load_file
-
     found = [p for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
     for ckpt in sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True):
         try:
@@ -2069,7 +2063,6 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (it fixes the data position)."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
@@ -2242,11 +2235,9 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
 
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
-    from tqdm import tqdm
-
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device, out_dir, data_rows = pick_device(cfg), Path(cfg.output_dir), load_questions(cfg.train_file)
+    device, out_dir, data_rows = pick_device(cfg), Path(cfg.output_dir), prepare_data.load_questions(cfg.train_file)
     last = resume_point(out_dir, cfg)
     lock = (out_dir / ".lock").open("w")  # held while this process lives: two runs in one folder would mix their logs
     try:
@@ -2333,17 +2324,14 @@ def build_agent(cfg: Config, device: str):
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
     """Greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
-    from tqdm import tqdm
-
-    rows = load_questions(cfg.val_file, cfg.eval_limit)
+    rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit)
     fixed, tools, judge, planner = build_agent(cfg, device)
     correct, c = [], Counter()
-    for i in tqdm(range(0, len(rows), batch), desc="eval", dynamic_ncols=True):
-        questions = [r["question"] for r in rows[i:i + batch]]
+    for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
+        questions = [r["question"] for r in chunk]
         states = solve_batch(questions, planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
                              memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
-        correct += judge_rewards(questions, [st.final_output for st in states],
-                                 [r["answer"] for r in rows[i:i + batch]], judge)[0]
+        correct += judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge)[0]
         c += agent_counts(states, tools)
     print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
           + ", ".join(f"{t} {c['tool:' + t]}" for t in tools))
@@ -2417,8 +2405,6 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
 
 def _remote_speedup(group: int) -> None:
     """G calls to a 127.0.0.1 OpenAI-compatible stand-in answering after 100 ms: concurrent vs one after another."""
-    import http.server
-
     class Slow(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -2447,7 +2433,7 @@ def _remote_speedup(group: int) -> None:
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls."""
-    questions = [r["question"] for r in load_questions(cfg.train_file)[:cfg.batch_size]]
+    questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
     rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
