@@ -141,6 +141,11 @@ def normalise_answers(value) -> str:
     return "; ".join(unique)
 
 
+def clean_text(x) -> str:
+    """A stripped string; "" for a missing value (not the text "None" or "nan")."""
+    return "" if _is_missing(x) else str(x).strip()
+
+
 def normalise_question(q) -> str:
     """Strip a question and make it end with exactly one "?".
 
@@ -148,12 +153,8 @@ def normalise_question(q) -> str:
     mark ("who wrote the iliad"); the "?" tells the agent it is a question.
     Missing questions become "" so that callers can skip them.
     """
-    if _is_missing(q):
-        return ""
-    q = str(q).strip()
-    if not q:
-        return ""
-    return q if q.endswith("?") else q + "?"
+    q = clean_text(q)
+    return q if not q or q.endswith("?") else q + "?"
 
 
 # ---------------------------------------------------------------- Rows
@@ -176,7 +177,7 @@ def make_row(question: str, result: str, source: str, idx: int) -> dict:
 def math_row(item, idx: int) -> dict:
     """A DeepMath-103K record ({question, final_answer}) -> row."""
     return make_row(
-        question=str(item["question"]).strip(),
+        question=clean_text(item["question"]),
         result=normalise_answers(item["final_answer"]),
         source="mathhard",
         idx=idx,
@@ -195,12 +196,16 @@ def nq_row(item, idx: int) -> dict:
 
 def aime_row(item, idx: int) -> dict:
     """An AIME record ({problem, answer}) -> row. AIME answers are integers."""
-    answer = normalise_answers(item["answer"])
     # int() rejects anything that is not an integer, and canonicalises "033"
-    # to "33" so that string comparison in the reward is safe.
+    # to "33" so that string comparison in the reward is safe. A missing or
+    # non-integer answer gives "": the row is dropped (and counted) by convert.
+    try:
+        result = str(int(normalise_answers(item["answer"])))
+    except ValueError:
+        result = ""
     return make_row(
-        question=str(item["problem"]).strip(),
-        result=str(int(answer)),
+        question=clean_text(item["problem"]),
+        result=result,
         source="aime24",
         idx=idx,
     )
@@ -232,7 +237,11 @@ def convert(items, indices: list[int], to_row, desc: str) -> list[dict]:
     """
     rows = (to_row(item, i) for i, item in zip(indices, items))
     bar = tqdm(rows, total=len(indices), desc=desc, unit="row", leave=False)
-    return [r for r in bar if is_complete(r)]
+    kept = [r for r in bar if is_complete(r)]
+    if len(kept) < len(indices):
+        print(f"{desc}: dropped {len(indices) - len(kept)} of {len(indices)} rows "
+              "without a question or a usable answer", file=sys.stderr)
+    return kept
 
 
 def reindex(rows: list[dict]) -> list[dict]:
@@ -284,7 +293,14 @@ def write_dataset(rows: list[dict], path) -> Path:
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    # Written aside, then renamed: a crash or a full disk never leaves a torn
+    # file where the trainer (or a preset's first-use check) would read it.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -633,13 +649,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42,
                    help="seed for the shuffle of the training set and for "
                    "--max-samples; same seed -> identical files (default: 42)")
-    p.add_argument("--sample", action="store_true",
-                   help="offline mode: build both files from ~90 built-in "
-                   "questions instead of downloading from the Hugging Face Hub")
-    p.add_argument("--arithmetic", action="store_true",
-                   help="offline mode: write OUT/arithmetic/train.parquet and "
-                   "val.parquet, generated multi-digit arithmetic (computed answers)")
-    return p.parse_args(argv)
+    offline = p.add_mutually_exclusive_group()
+    offline.add_argument("--sample", action="store_true",
+                         help="offline mode: build both files from ~90 built-in "
+                         "questions instead of downloading from the Hugging Face Hub")
+    offline.add_argument("--arithmetic", action="store_true",
+                         help="offline mode: write OUT/arithmetic/train.parquet and "
+                         "val.parquet, generated multi-digit arithmetic (computed answers)")
+    args = p.parse_args(argv)
+    if args.arithmetic and args.max_samples is not None:
+        p.error("--max-samples applies to the hub and --sample sets, not to --arithmetic")
+    return args
 
 
 def main(argv=None) -> int:

@@ -2985,9 +2985,20 @@ def test_row_functions_share_one_schema():
         assert r["extra_info"] == {"ground_truth": r["result"], "idx": idx}
 
 
-def test_aime_row_rejects_non_integer_answer():
-    with pytest.raises(ValueError):
-        prepare_data.aime_row({"problem": "P", "answer": "1/2"}, 0)
+@pytest.mark.parametrize("row, make", [
+    ({"problem": "P", "answer": "1/2"}, prepare_data.aime_row),  # AIME answers are integers
+    ({"problem": "P", "answer": None}, prepare_data.aime_row),
+    ({"problem": None, "answer": "33"}, prepare_data.aime_row),  # not the question "None"
+    ({"question": float("nan"), "final_answer": "3"}, prepare_data.math_row),  # not the question "nan"
+    ({"question": None, "golden_answers": ["a"]}, prepare_data.nq_row),
+])
+def test_rows_without_a_question_or_a_usable_answer_are_dropped_and_counted(row, make, capsys):
+    assert not prepare_data.is_complete(make(row, 0))
+    good = {"problem": "P", "answer": "7"} if make is prepare_data.aime_row else \
+        {"question": "Q", "final_answer": "3", "golden_answers": ["a"]}
+    kept = prepare_data.convert([row, good], [0, 1], make, "src")
+    assert [r["extra_info"]["idx"] for r in kept] == [1]
+    assert "src: dropped 1 of 2 rows" in capsys.readouterr().err
 
 
 def test_subset_indices():
@@ -3021,9 +3032,27 @@ def test_write_dataset_roundtrip(tmp_path):
     assert table.to_pylist() == rows
 
 
-def test_max_samples_must_be_positive():
+def test_write_dataset_failure_keeps_the_previous_file_whole(tmp_path, monkeypatch):
+    path = prepare_data.write_dataset([prepare_data.make_row("q?", "1", "nq", 0)], tmp_path / "x.parquet")
+    real = pq.write_table
+
+    def torn(table, where, **kw):  # half a file, then a full disk
+        real(table, where, **kw)
+        Path(where).write_bytes(Path(where).read_bytes()[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", torn)
+    with pytest.raises(OSError):
+        prepare_data.write_dataset([prepare_data.make_row("new?", "2", "nq", 0)] * 5, path)
+    assert pq.read_table(path).to_pylist()[0]["question"] == "q?"  # the old file, readable
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.parquet"]  # no temporary file left
+
+
+@pytest.mark.parametrize("argv", [["--max-samples", "0"], ["--sample", "--arithmetic"],
+                                  ["--arithmetic", "--max-samples", "3"]])
+def test_flags_that_would_be_ignored_or_are_invalid_are_refused(argv):
     with pytest.raises(SystemExit):
-        prepare_data.parse_args(["--max-samples", "0"])
+        prepare_data.parse_args(argv)
 
 
 # Names the checks may use; no other builtins.
