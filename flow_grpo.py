@@ -1621,13 +1621,15 @@ def answers_match(pred: str, gold: str) -> bool:
     return math_verify_equal(gold, pred)
 
 
-def rule_reward(answer: str, ground_truth: str) -> float:
-    """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases (words),
-    or the parts of ONE math answer, never split: 'y = 2' is not 'x = 1; y = 2'. Both sides get one spelling
-    (SPELLINGS, no \\$) and lose \\text{} wrappers: '\\text{Yes}' is 'Yes'."""
+def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) -> float:
+    """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases
+    (aliases=True: '1945; 1946'), or the parts of ONE math answer (False: 'y = 2' is not 'x = 1; y = 2'); None
+    guesses from the shape: aliases are words. Both sides get one spelling (SPELLINGS, no \\$) and lose \\text{}
+    wrappers: '\\text{Yes}' is 'Yes'."""
     truth, parts = str(ground_truth), str(ground_truth).split("; ")
-    aliases = any(re.search(r"(?<![\\a-zA-Z])[a-zA-Z]{2}", p) for p in parts) and all(  # words, whole brackets
-        p.count(a) == p.count(b) for p in parts for a, b in ("()", "[]", "{}"))
+    if aliases is None:  # words, whole brackets
+        aliases = any(re.search(r"(?<![\\a-zA-Z])[a-zA-Z]{2}", p) for p in parts) and all(
+            p.count(a) == p.count(b) for p in parts for a, b in ("()", "[]", "{}"))
     golds = [truth, *(p for p in parts if aliases and len(parts) > 1 and "=" not in p)]
     pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox|hbox)\{([^{}]*)\}", r"\1",
                            s.replace("\\$", "").translate(SPELLINGS)).strip() for s in [extract_answer(answer), *golds]]
@@ -1640,10 +1642,15 @@ def judge_prompt(question: str, answer: str, ground_truth: str) -> str:
             f"Question: {question}\nFinal answer: {extract_answer(answer)}\nGround truth: {ground_truth}")
 
 
-def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None
-                  ) -> tuple[list[float], int]:
+# The `source` values of prepare_data.py whose "; " separates acceptable answers (NQ's lists) or never does (math).
+ALIASES_BY_SOURCE = {"nq": True, "mathhard": False, "aime24": False}
+
+
+def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None,
+                  sources: Optional[list[str]] = None) -> tuple[list[float], int]:
     """Rewards, and how many fell back to the rule: the engine's verdict where it gives one, else the rule."""
-    rule = [rule_reward(a, t) for a, t in zip(answers, truths)]
+    aliases = [ALIASES_BY_SOURCE.get(s) for s in sources or [""] * len(truths)]  # None: rule_reward guesses
+    rule = [rule_reward(a, t, al) for a, t, al in zip(answers, truths, aliases)]
     if engine is None:
         return rule, 0
     verdicts = engine.generate([judge_prompt(q, a, t) for q, a, t in zip(questions, answers, truths)],
@@ -2027,7 +2034,13 @@ def make_optimizer(model, cfg: Config):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 
-def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config) -> Path:
+def run_record(cfg: Config, train_data: str = "") -> dict:
+    """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
+    with other rows would change what every later step draws; --resume compares both)."""
+    return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
+
+
+def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config, train_data: str = "") -> Path:
     """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -2036,7 +2049,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
         model.save_pretrained(tmp)
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
                    tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        (tmp / "config.json").write_text(json.dumps(run_record(cfg, train_data), indent=1))
     except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos", a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(f"error: could not write {final} ({_short_error(e, 200)}); the logs and older checkpoints are "
@@ -2086,7 +2099,7 @@ RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "o
                "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
 
 
-def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
+def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
     Never mixes two runs in one folder; refuses flags that would change the run (a restored optimizer keeps its lr)."""
     try:
@@ -2101,7 +2114,7 @@ def resume_point(out_dir: Path, cfg: Config) -> Optional[Path]:
     if (ckpt := latest_checkpoint(out_dir)) is None:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
         return None
-    saved, now = json.loads((ckpt / "config.json").read_text()), dataclasses.asdict(cfg)
+    saved, now = json.loads((ckpt / "config.json").read_text()), run_record(cfg, train_data)
     changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in saved if k in now and saved[k] != now[k]
                and (k not in RESUME_SAFE or k.endswith("_base_url") and "" in (saved[k], now[k]))]  # ("": in-process)
     if changed:
@@ -2155,7 +2168,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     sent = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, and failed
     states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, fixed, tools, group_size=G, timings=timings)
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
-                                       [b["answer"] for b in batch for _ in range(G)], judge)
+                                       [b["answer"] for b in batch for _ in range(G)], judge,
+                                       [b.get("source") for b in batch for _ in range(G)])
     group_ids = [i // G for i in range(len(states))]
     rows = build_rows(states, rewards, group_ids, cfg.adv_scale, cfg.adv_unit)
     t1 = time.perf_counter()
@@ -2238,7 +2252,9 @@ def train(cfg: Config) -> Path:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device, out_dir, data_rows = pick_device(cfg), Path(cfg.output_dir), prepare_data.load_questions(cfg.train_file)
-    last = resume_point(out_dir, cfg)
+    digest = hashlib.sha256(json.dumps(data_rows, default=str).encode()).hexdigest()
+    train_data = f"{len(data_rows)} rows, sha256 {digest[:12]}"
+    last = resume_point(out_dir, cfg, train_data)
     lock = (out_dir / ".lock").open("w")  # held while this process lives: two runs in one folder would mix their logs
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -2253,7 +2269,7 @@ def train(cfg: Config) -> Path:
         log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
     if cfg.sft_steps > 0 and last is None:
         sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
-        last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg)
+        last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
@@ -2275,7 +2291,7 @@ def train(cfg: Config) -> Path:
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
                             kl=f"{metrics['kl']:.4f}")
             if step % cfg.save_every == 0 or step == cfg.max_steps or interrupt.requested:
-                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg)
+                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg, train_data)
             if interrupt.requested:
                 log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
                 break
@@ -2331,7 +2347,8 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
         questions = [r["question"] for r in chunk]
         states = solve_batch(questions, planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
                              memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
-        correct += judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge)[0]
+        correct += judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge,
+                                 [r.get("source") for r in chunk])[0]
         c += agent_counts(states, tools)
     print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
           + ", ".join(f"{t} {c['tool:' + t]}" for t in tools))

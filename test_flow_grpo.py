@@ -1843,6 +1843,15 @@ def test_rule_reward_table(answer, truth, expected):
     assert fg.rule_reward(answer, truth) == expected
 
 
+def test_the_source_says_whether_semicolons_join_aliases():
+    # NQ's lists of numbers ('1945; 1946') hold alternatives, though no word in them says so; a math answer never does
+    answers, truths = ["<answer>1945</answer>", "<answer>2718</answer>", "<answer>3</answer>"], ["1945; 1946",
+                                                                                               "2,718; 2718", "2; 3"]
+    assert fg.judge_rewards(["q"] * 3, answers, truths)[0] == [0.0, 0.0, 0.0]  # shape alone: one answer each
+    assert fg.judge_rewards(["q"] * 3, answers, truths, sources=["nq", "nq", "mathhard"])[0] == [1.0, 1.0, 0.0]
+    assert fg.judge_rewards(["q"], ["<answer>Queen</answer>"], ["Queen; Queen [band]"], sources=["aime24"])[0] == [0.0]
+
+
 def test_llm_judge_falls_back_to_rule_and_counts():
     class Judge(fg.Engine):
         def _complete(self, prompts, max_tokens, schema):
@@ -2419,9 +2428,17 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
 
     monkeypatch.setattr(model, "generate", slow_generate)
     monkeypatch.setattr(fg, "solve_batch", solve)
-    monkeypatch.setattr(fg, "judge_rewards", lambda qs, *a: ([float(i % 2) for i in range(len(qs))], 0))
+    seen = {}
+
+    def judge_rewards(questions, answers, truths, engine, sources):  # told each row's source: NQ's "; " joins aliases
+        seen["sources"] = sources
+        return [float(i % 2) for i in range(len(questions))], 0
+
+    monkeypatch.setattr(fg, "judge_rewards", judge_rewards)
     opt, sched = fg.make_optimizer(model, cfg)
-    m, _, _ = fg.train_step(model, tok, opt, sched, [{"question": "q", "answer": "1"}], fixed, None, {}, cfg, 1)
+    batch = [{"question": "q", "answer": "1", "source": "nq"}]
+    m, _, _ = fg.train_step(model, tok, opt, sched, batch, fixed, None, {}, cfg, 1)
+    assert seen["sources"] == ["nq"] * cfg.group_size
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["grad_norm"] > 0 and m["skipped_updates"] == 0
 
 
@@ -2507,7 +2524,7 @@ def test_learning_toy_task_reward_rises():
 def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, sample_data, monkeypatch):
     # A random model never earns a reward; alternate 0/1 inside every group so that the adapter, AdamW's moments
     # and the scheduler really change, and a resume that lost any of them would show.
-    monkeypatch.setattr(fg, "judge_rewards", lambda qs, answers, truths, engine=None: ([float(i % 2) for i in range(len(qs))], 0))
+    monkeypatch.setattr(fg, "judge_rewards", lambda qs, *a: ([float(i % 2) for i in range(len(qs))], 0))
     straight = smoke_cfg(tmp_path / "a", sample_data, max_steps=2)
     fg.train(straight)
     a = [json.loads(ln) for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -2740,6 +2757,31 @@ def test_resume_refuses_flags_that_change_the_run_and_allows_safe_ones(tmp_path,
         fg.resume_point(tmp_path, dataclasses.replace(safe, fixed_base_url="http://127.0.0.1:9/v1"))
 
 
+def test_resume_refuses_a_training_file_rebuilt_with_other_rows(tmp_path, monkeypatch):
+    train, val = prepare_data.build_sample(seed=0)
+    prepare_data.write_dataset(train, tmp_path / "train.parquet")
+    prepare_data.write_dataset(val, tmp_path / "val.parquet")
+    cfg, seen = smoke_cfg(tmp_path / "run", tmp_path, resume=True), {}
+    (tmp_path / "run").mkdir()
+
+    def loads(*a, **k):
+        raise RuntimeError("the model would load now")
+
+    monkeypatch.setattr(fg, "build_system", loads)
+    monkeypatch.setattr(fg, "resume_point", lambda out_dir, cfg, train_data: seen.update(data=train_data) or None)
+    with pytest.raises(RuntimeError, match="would load"):
+        fg.train(cfg)  # (no checkpoint yet: only to learn what train() records for these rows)
+    monkeypatch.undo()
+    monkeypatch.setattr(fg, "build_system", loads)
+    ckpt = fake_checkpoint(tmp_path / "run", 2, cfg)
+    (ckpt / "config.json").write_text(json.dumps(fg.run_record(cfg, seen["data"])))
+    with pytest.raises(RuntimeError, match="would load"):
+        fg.train(cfg)  # the same rows: resumed
+    prepare_data.write_dataset(train[:10], tmp_path / "train.parquet")  # same path, other rows
+    with pytest.raises(SystemExit, match=f"--train-data '{len(train)} rows, sha256 .*' -> '10 rows"):
+        fg.train(cfg)
+
+
 def test_one_run_at_a_time_per_output_dir(tmp_path, sample_data, monkeypatch):
     import fcntl
 
@@ -2820,8 +2862,8 @@ def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_o
 
 
 def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
-    rows = [prepare_data.make_row(q, a, "arithmetic", i) for i, (q, a) in enumerate(
-        [("ok?", "144"), ("bad?", "144"), ("junk?", "7"), ("nope?", "7")])]
+    rows = [prepare_data.make_row(q, a, source, i) for i, (q, a, source) in enumerate(  # (NQ: "; " joins aliases)
+        [("ok?", "145; 144", "nq"), ("bad?", "144", "arithmetic"), ("junk?", "7", "nq"), ("nope?", "7", "nq")])]
     prepare_data.write_dataset(rows, tmp_path / "val.parquet")
     agent = (CountingRoles(), {"Echo_Tool": EchoTool()}, None, ScriptedEngine(counting_planner))
     monkeypatch.setattr(fg, "build_agent", lambda cfg, device: agent)
