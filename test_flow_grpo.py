@@ -7,6 +7,7 @@ system cannot give (a namespace, the real model) skips with the reason; it never
 """
 import ast
 import dataclasses
+import faulthandler
 import importlib.util
 import json
 import math
@@ -21,7 +22,6 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,6 +40,7 @@ from flow_grpo import (TOOL_CLASSES, GeneralistTool, PythonCoderTool, WebRAGTool
                        chunk_words, embedding_top_k, fetch_limited, make_tools, page_text, run_python)
 
 ROOT = Path(__file__).resolve().parent
+FLOW_GRPO = str(ROOT / "flow_grpo.py")  # run with cwd=tmp_path: a preset writes its data there, not in the checkout
 if "OMP_NUM_THREADS" not in os.environ:  # as flow_grpo's CLI does on CPU (see run_cli): cores are shared
     torch.set_num_threads(max(1, torch.get_num_threads() // 2))
 
@@ -48,6 +49,22 @@ if "OMP_NUM_THREADS" not in os.environ:  # as flow_grpo's CLI does on CPU (see r
 # ====================================================================================================
 # Shared helpers: scripted engines, THE 127.0.0.1 HTTP stand-in, the tiny model
 # ====================================================================================================
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    """A test still running after 400 s (the slowest takes ~40 s) is hung: print every thread's stack and end the run
+    with an error - a red CI, never a silent one that waits for its job limit."""
+    faulthandler.dump_traceback_later(400, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def threaded_map(fn, items, timeout=120):
+    """[fn(x) for x in items], each call in its own daemon thread; one that never returns fails the test instead of
+    hanging it (a ThreadPoolExecutor would wait for it on leaving its block and at interpreter exit)."""
+    futures = [fg.in_daemon_thread(lambda x=x: fn(x)) for x in items]
+    return [f.result(timeout=timeout) for f in futures]
+
 
 class ScriptedEngine(fg.Engine):
     """Test double: answers each prompt with fn(prompt); schema outputs go through the real parser."""
@@ -111,8 +128,7 @@ def echo_engine():
     return ScriptedEngine(lambda prompt: prompt)
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def fresh_tiny():
     """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs)."""
     cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8)
     model, tok = fg.load_policy(cfg, "cpu", trainable=True)
@@ -123,6 +139,12 @@ def tiny():
     return model.eval(), tok
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """fresh_tiny(), shared by the tests that do not change its weights (an update gets its own)."""
+    return fresh_tiny()
+
+
 def rendered(tok, texts):
     return [fg.render_chat(tok, t) for t in texts]
 
@@ -130,6 +152,13 @@ def rendered(tok, texts):
 def make_rows(samples, adv):
     return [fg.Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a), traj_id=i)
             for i, (s, a) in enumerate(zip(samples, adv))]
+
+
+def dead_url():
+    """http://127.0.0.1:<a port nothing listens on>: one just bound and closed (not a fixed port, which may be taken)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def chat(text):
@@ -398,12 +427,8 @@ def test_openai_engine_other_400s_keep_structured_output(standin):
 
 
 def test_a_dead_remote_engine_is_one_line_at_start():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # nothing listens there now
     with pytest.raises(SystemExit, match="did not answer"):
-        fg.checked(fg.OpenAIEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
+        fg.checked(fg.OpenAIEngine(f"{dead_url()}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
 
 
 def test_openai_engine_batches_concurrently(standin):
@@ -455,14 +480,12 @@ def test_local_engine_batches_concurrent_calls(tiny):
     batches: list[list[str]] = []  # the prompts of each batched generation
     generate = shared._generate
     shared._generate = lambda ps, *a: batches.append(list(ps)) or generate(ps, *a)
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(shared.ask, prompts))
+    got = threaded_map(shared.ask, prompts)
     assert got == expected
     assert len(batches) < len(prompts)  # at least some calls were served together
     # G tool threads asking the same prompt at once: one row is generated for them all, same answer for each
     batches.clear()
-    with ThreadPoolExecutor(8) as pool:
-        same = list(pool.map(shared.ask, [prompts[0]] * 8))
+    same = threaded_map(shared.ask, [prompts[0]] * 8)
     assert same == [expected[0]] * 8 and sum(map(len, batches)) < 8  # without sharing: 8 rows
     assert all(len(b) == len(set(b)) for b in batches)
 
@@ -484,8 +507,7 @@ def test_local_engine_one_bad_request_fails_only_its_caller(tiny):
         except RuntimeError as e:
             return f"raised: {e}"
 
-    with ThreadPoolExecutor(6) as pool:
-        out = list(pool.map(call, ["a", "POISON", "b", "c", "d", "e"]))
+    out = threaded_map(call, ["a", "POISON", "b", "c", "d", "e"])
     assert out[1] == "raised: bad prompt" and not any(o.startswith("raised") for i, o in enumerate(out) if i != 1)
 
 
@@ -856,13 +878,9 @@ def test_a_python_under_the_temp_dir_or_behind_a_symlink_is_visible_and_read_onl
 
 
 def test_cwd_cannot_shadow_stdlib():
-    code = "import json\nprint(json.dumps([1]))"
-    # -I keeps the script's directory off sys.path; a local json.py would otherwise win
-    result = run_python("open('json.py', 'w').write('raise SystemExit(7)')\n"
-                        "import subprocess, sys\n"
-                        f"r = subprocess.run([sys.executable, '-I', '-c', {code!r}], capture_output=True, text=True)\n"
-                        "print(r.stdout.strip())")
-    assert result["stdout"] == "[1]\n"
+    # the snippet runs with -I: its own directory is not on sys.path, so the json.py it writes there cannot win
+    result = run_python("open('json.py', 'w').write('raise SystemExit(7)')\nimport json\nprint(json.dumps([1]))")
+    assert result["stdout"] == "[1]\n" and result["error"] is None
 
 
 _HUNT_SECRET = """import ctypes, os
@@ -1337,7 +1355,7 @@ def test_wikipedia_hanging_api_times_out(mediawiki):
 
 
 def test_wikipedia_unreachable_api_is_an_error(mediawiki):
-    wikipedia.wikipedia.API_URL = "http://127.0.0.1:9/w/api.php"  # discard port: connection refused
+    wikipedia.wikipedia.API_URL = f"{dead_url()}/w/api.php"  # connection refused
     result = WikipediaTool(wiki_engine([]), timeout_s=5)({"query": "orbital period of mercury"})
     assert result["error"].startswith("Wikipedia search failed: ConnectionError")
 
@@ -1483,7 +1501,7 @@ def test_embedding_ranker_through_openai_client(web):
     tool = WebRAGTool(echo_engine(), top_k=1, embed_client=client, embed_model="stand-in")
     assert tool.rank("owl habitat", chunks) == [1]
     broken = WebRAGTool(echo_engine(), top_k=1, embed_model="stand-in",
-                        embed_client=openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0))
+                        embed_client=openai.OpenAI(base_url=f"{dead_url()}/v1", api_key="x", max_retries=0, timeout=5))
     assert broken.rank("owl habitat", chunks) == [2]  # endpoint down: falls back to BM25
 
 
@@ -2063,17 +2081,17 @@ def test_rule_reward_is_fast_on_adversarial_megabyte_outputs(monkeypatch):
 def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypatch):
     # its own timeouts (SIGALRM) raise outside the main thread: rule_reward must not use them
     rows = [r for r in judge_table() if r[0] == "deepmath"][:60]
-    with ThreadPoolExecutor(4) as pool:
-        threaded = list(pool.map(lambda r: fg.rule_reward(r[1], r[2]), rows))
+    threaded = threaded_map(lambda r: fg.rule_reward(r[1], r[2]), rows)
     assert threaded == [fg.rule_reward(r[1], r[2]) for r in rows] == [float(r[3]) for r in rows]
     # sympy would compute 10^(10^10) for hours: the worker is killed after SYMPY_TIMEOUT_S, the answer is 0
-    monkeypatch.setattr(fg, "SYMPY_TIMEOUT_S", 1.0)
-    fg.rule_reward("<answer>x+1</answer>", "1+x")  # make sure a worker is running
+    fg.rule_reward("<answer>x+1</answer>", "1+x")  # make sure a worker is running (under the real time limit)
     worker = fg._math_worker["proc"]
+    monkeypatch.setattr(fg, "SYMPY_TIMEOUT_S", 1.0)  # (only for the hung comparisons: a loaded CPU is slow too)
     verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")
     assert verdict == 0.0 and seconds < 10 and worker.poll() is not None
     verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")  # a fresh worker's first:
     assert verdict == 0.0 and seconds < 10 and "proc" not in fg._math_worker  # only its imports may take longer
+    monkeypatch.undo()
     assert fg.rule_reward("<answer>(x+1)^2</answer>", "x^2+2x+1") == 1.0  # a fresh worker answers
 
 
@@ -2188,12 +2206,13 @@ def test_masked_positions_do_not_change_loss_or_gradient():
     args = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, agg="turn", traj_ids=[0, 1])
     loss1, _ = fg.grpo_loss(logp, old, ref, torch.tensor([1.0, -1.0]), mask, **args)
     (grad1,) = torch.autograd.grad(loss1, logp)
-    junk_old, junk_ref = old.clone(), ref.clone()
-    junk_old[0, 3:], junk_ref[0, 3:] = float("-inf"), 1e4  # garbage where the mask is 0
-    loss2, _ = fg.grpo_loss(logp, junk_old, junk_ref, torch.tensor([1.0, -1.0]), mask, **args)
-    (grad2,) = torch.autograd.grad(loss2, logp)
-    assert torch.isfinite(loss2) and loss2.item() == pytest.approx(loss1.item(), rel=1e-6)
-    assert torch.equal(grad1, grad2) and torch.all(grad1[0, 3:] == 0)
+    for junk in ((float("-inf"), 1e4), (float("nan"), float("nan"))):  # garbage where the mask is 0 (NaN: past clamps)
+        junk_old, junk_ref = old.clone(), ref.clone()
+        junk_old[0, 3:], junk_ref[0, 3:] = junk
+        loss2, _ = fg.grpo_loss(logp, junk_old, junk_ref, torch.tensor([1.0, -1.0]), mask, **args)
+        (grad2,) = torch.autograd.grad(loss2, logp)
+        assert torch.isfinite(loss2) and loss2.item() == pytest.approx(loss1.item(), rel=1e-6), junk
+        assert torch.equal(grad1, grad2) and torch.all(grad1[0, 3:] == 0), junk
 
 
 # ---- the loss: verl's dual clip and guards; AgentFlow's objective; any hashable ids
@@ -2327,6 +2346,32 @@ def test_ratio_is_one_before_the_first_update(tiny):
     model.zero_grad()
 
 
+def test_fill_old_and_ref_picks_pi_old_per_mode_and_later_passes_really_clip():
+    model, tok = fresh_tiny()  # (its own: this test updates the weights)
+    torch.manual_seed(0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q1", "q2 longer"] * 2), max_new_tokens=8, temperature=0.7)
+
+    def filled(**flags):
+        cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=2, **flags)
+        rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5])
+        fg.fill_old_and_ref(model, rows, cfg)
+        return cfg, rows
+
+    _, rows = filled(old_logprobs="captured")
+    assert all(r.old_logp is r.logprobs and r.ref_logp is not None for r in rows)
+    _, rows = filled(old_logprobs="recompute")  # one pass: the update's own forward is pi_old, no extra pass
+    assert all(r.old_logp is None and r.ref_logp is not None for r in rows)
+    _, rows = filled(old_logprobs="recompute", kl_coef=0.0)  # no KL term: no pi_ref pass
+    assert all(r.ref_logp is None for r in rows)
+    for flags in (dict(num_minibatches=2), dict(ppo_epochs=3)):  # several passes: pi_old = the sampling policy, fixed
+        cfg, rows = filled(old_logprobs="recompute", **flags)
+        assert all(torch.allclose(r.old_logp, r.logprobs, atol=1e-4) for r in rows), flags
+    # ... and that fixed pi_old is what lets the later epochs clip: with old_logp left None every ratio would be 1
+    stats = fg.update_policy(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05),
+                             rows, cfg, step=1)
+    assert stats["clip_frac"] > 0 and abs(stats["ratio_mean"] - 1) > 1e-3, stats
+
+
 def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
     """With ppo_epochs == num_minibatches == 1 the trainer skips the pi_old pass (old_logp=None: the update's
     own detached log-probs) and the ref pass when kl_coef == 0. Same loss and gradient as computing them."""
@@ -2442,18 +2487,30 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["grad_norm"] > 0 and m["skipped_updates"] == 0
 
 
-def test_non_finite_loss_skips_the_update(tiny):
-    model, tok = tiny
+def test_pad_right_masks_by_length_not_by_value():
+    out_BA, mask_BA = fg.pad_right([torch.tensor([1, 0, 2]), torch.tensor([0]), torch.tensor([], dtype=torch.long)])
+    assert out_BA.tolist() == [[1, 0, 2], [0, 0, 0], [0, 0, 0]]  # a real 0 (a pad id, a log-prob of 0) stays unmasked
+    assert mask_BA.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
+
+
+@pytest.mark.parametrize("case", ["nan_loss", "inf_gradient"])
+def test_non_finite_loss_or_gradient_skips_the_update(case, monkeypatch):
+    model, tok = fresh_tiny()  # (its own: a guard that failed would wreck the weights with lr = 1)
     cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1.0)
     samples = fg.sample_actions(model, tok, rendered(tok, ["q", "r"]), max_new_tokens=4, temperature=1.0)
-    rows = make_rows(samples, [float("nan"), 1.0])
+    rows = make_rows(samples, [float("nan") if case == "nan_loss" else -1.0, 1.0])
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="old_logp")
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="ref_logp", base=True)
-    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    if case == "nan_loss":  # refused before backward(), not only by the gradient check after it
+        assert fg.minibatch_loss_and_backward(model, rows, cfg) == (None, {})
+    else:  # a finite loss whose gradient overflowed
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf")))
+    before = [p.detach().clone() for p in params]
     stats = fg.update_policy(model, opt, rows, cfg, step=1)
     assert stats["skipped_updates"] == 1
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, params))
 
 
 def test_minibatches_keep_trajectories_whole_and_step_once_each(tiny, monkeypatch):
@@ -2563,9 +2620,9 @@ def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])  # SIGTERM: a scheduler
 def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data, sig):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "flow_grpo.py", "--preset", "smoke", "--max-steps", "50", "--save-every", "100",
+    proc = subprocess.Popen([sys.executable, FLOW_GRPO, "--preset", "smoke", "--max-steps", "50", "--save-every", "100",
                              "--train-file", str(sample_data / "train.parquet"), "--output-dir", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     def fail(why):  # never wait on a live child without a bound: kill it, then read what it wrote
         proc.kill()
         pytest.fail(f"{why}: {proc.communicate(timeout=30)[1][-2000:]}")
@@ -2610,9 +2667,9 @@ def test_train_counts_remote_failures_and_stops_when_a_whole_step_failed(tmp_pat
 
 def test_second_ctrl_c_stops_a_run_stuck_on_a_hung_server(tmp_path, sample_data, standin):
     standin.script, standin.default = [chat("OK")], ("hang", 120)
-    proc = subprocess.Popen([sys.executable, "flow_grpo.py", "--preset", "smoke", "--fixed-base-url", standin.url,
+    proc = subprocess.Popen([sys.executable, FLOW_GRPO, "--preset", "smoke", "--fixed-base-url", standin.url,
                              "--train-file", str(sample_data / "train.parquet"), "--output-dir", str(tmp_path)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
         while len(standin.seen) < 2:  # the start-up check, then the first rollout's requests: now it hangs
@@ -2631,20 +2688,23 @@ def test_second_ctrl_c_stops_a_run_stuck_on_a_hung_server(tmp_path, sample_data,
 
 def test_sft_loss_is_the_hand_computed_cross_entropy_of_action_tokens_only(tiny):
     model, tok = tiny
-    prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([11, 12])]  # different lengths: padding in play
-    actions = [torch.tensor([20, 21, 22]), torch.tensor([30, tok.eos_token_id])]
+    # Different lengths: padding in play. The pad id inside prompts and actions, and ending one (a real tokenizer's
+    # pad is often its EOS): masks come from lengths, so these are ordinary tokens that must count.
+    pad = tok.pad_token_id
+    prompts = [torch.tensor([5, 6, pad, 8, 9]), torch.tensor([11, 12])]
+    actions = [torch.tensor([20, pad, 22]), torch.tensor([30, tok.eos_token_id, pad])]
     with torch.no_grad():
-        loss = fg.sft_loss(model, prompts, actions, n_tokens=5)
+        loss = fg.sft_loss(model, prompts, actions, n_tokens=6)
         hand = 0.0
         for p, a in zip(prompts, actions):  # each row alone, unpadded, full-sequence logits
             logp_LV = torch.log_softmax(model(input_ids=torch.cat([p, a])[None]).logits[0].float(), -1)
             hand -= sum(logp_LV[len(p) - 1 + j, a[j]].item() for j in range(len(a)))
-        assert loss.item() == pytest.approx(hand / 5, rel=1e-4)
+        assert loss.item() == pytest.approx(hand / 6, rel=1e-4)
         # Moving the first action token into the prompt removes exactly its term: prompt positions never count.
         moved = fg.sft_loss(model, [torch.cat([prompts[0], actions[0][:1]]), prompts[1]],
-                            [actions[0][1:], actions[1]], n_tokens=5)
+                            [actions[0][1:], actions[1]], n_tokens=6)
         first = torch.log_softmax(model(input_ids=prompts[0][None]).logits[0, -1].float(), -1)[actions[0][0]]
-        assert moved.item() == pytest.approx(loss.item() + first.item() / 5, rel=1e-4)
+        assert moved.item() == pytest.approx(loss.item() + first.item() / 6, rel=1e-4)
 
 
 def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch):
@@ -2834,10 +2894,10 @@ def test_no_cuda_means_one_clear_line(tmp_path):
     assert out.returncode == 2 and "--preset smoke" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_cli_smoke_ask_prints_the_trajectory():
+def test_cli_smoke_ask_prints_the_trajectory(tmp_path):
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "flow_grpo.py", "--preset", "smoke", "--ask", "What is 12 squared?"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run([sys.executable, FLOW_GRPO, "--preset", "smoke", "--ask", "What is 12 squared?"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     for part in ("QUESTION: What is 12 squared?", "ANALYSIS:", "--- turn 1 ---", "PLAN:", "TOOL CALL:", "RESULT:",
                  "VERIFIER:", "FINAL: <answer>", "ANSWER:"):
@@ -2845,12 +2905,12 @@ def test_cli_smoke_ask_prints_the_trajectory():
     assert time.perf_counter() - t0 < 60
 
 
-def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_once():
+def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_once(tmp_path):
     """--benchmark end to end (one question x G=8, one turn): every line of the README's table is printed, the
     lockstep rollout's frozen roles generate each distinct prompt once (the unshared one all 8 copies), and the
     ratios point the right way (loose bounds: CI machines are shared)."""
-    out = subprocess.run([sys.executable, "flow_grpo.py", "--preset", "smoke", "--benchmark", "--batch-size", "1",
-                          "--max-turns", "1"], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    out = subprocess.run([sys.executable, FLOW_GRPO, "--preset", "smoke", "--benchmark", "--batch-size", "1",
+                          "--max-turns", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     generated = {m[1]: (int(m[2]), int(m[3])) for m in
                  re.finditer(r"^  (\w+) .*frozen roles generated (\d+) prompts \((\d+) distinct\)", out.stdout, re.M)}
@@ -2908,15 +2968,19 @@ def test_ctrl_c_while_loading_is_one_line_not_a_traceback():
 
 
 def test_every_wait_in_these_tests_has_a_timeout():
-    """A failing test must fail, not hang: no subprocess run/communicate/wait or thread join without a bound."""
+    """A failing test must fail, not hang: no subprocess run/communicate/wait, thread join or future result without a
+    bound, no ThreadPoolExecutor (its exit waits for every thread); the watchdog above catches what this cannot see."""
     tree = ast.parse(Path(__file__).read_text())
     unbounded = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "ThreadPoolExecutor":
+            unbounded.append(node.lineno)
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         name, bounded = node.func.attr, any(k.arg == "timeout" for k in node.keywords)
         is_subprocess_run = name in ("run", "check_output", "call") and getattr(node.func.value, "id", "") == "subprocess"
-        if (is_subprocess_run or (name in ("communicate", "wait", "join") and not node.args)) and not bounded:
+        waits = name in ("communicate", "wait", "join", "result") and not node.args
+        if (is_subprocess_run or waits) and not bounded:
             unbounded.append(node.lineno)
     assert not unbounded, f"calls without a timeout at lines {unbounded}"
 
