@@ -1636,9 +1636,10 @@ def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) 
     return float(any(answers_match(pred, g) for g in golds if g))
 
 
-def judge_prompt(question: str, answer: str, ground_truth: str) -> str:
+def judge_prompt(question: str, answer: str, ground_truth: str, aliases: Optional[bool] = None) -> str:
+    several = "" if aliases is False else " Several acceptable ground truths are separated by '; '."
     return (f"You grade answers. Decide whether the final answer is equivalent to the ground truth (same value "
-            f"or same entity; wording may differ). Several acceptable ground truths are separated by '; '.\n\n"
+            f"or same entity; wording may differ).{several}\n\n"
             f"Question: {question}\nFinal answer: {extract_answer(answer)}\nGround truth: {ground_truth}")
 
 
@@ -1653,7 +1654,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
     rule = [rule_reward(a, t, al) for a, t, al in zip(answers, truths, aliases)]
     if engine is None:
         return rule, 0
-    verdicts = engine.generate([judge_prompt(q, a, t) for q, a, t in zip(questions, answers, truths)],
+    verdicts = engine.generate([judge_prompt(q, a, t, al) for q, a, t, al in zip(questions, answers, truths, aliases)],
                                schema=JudgeVerdict)
     return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 

@@ -1868,6 +1868,9 @@ def test_the_source_says_whether_semicolons_join_aliases():
     assert fg.judge_rewards(["q"] * 3, answers, truths)[0] == [0.0, 0.0, 0.0]  # shape alone: one answer each
     assert fg.judge_rewards(["q"] * 3, answers, truths, sources=["nq", "nq", "mathhard"])[0] == [1.0, 1.0, 0.0]
     assert fg.judge_rewards(["q"], ["<answer>Queen</answer>"], ["Queen; Queen [band]"], sources=["aime24"])[0] == [0.0]
+    llm = ScriptedEngine(lambda p: '{"analysis": "", "correct": false}')  # the LLM judge is told the same
+    fg.judge_rewards(["q1", "q2"], answers[1:], truths[1:], llm, sources=["nq", "mathhard"])
+    assert ["Several acceptable" in p for p in llm.calls] == [True, False]
 
 
 def test_llm_judge_falls_back_to_rule_and_counts():
