@@ -143,6 +143,8 @@ class Config:
     embed_model: str = arg("", "embeddings model name at --embed-base-url")
     request_timeout_s: float = arg(60.0, "timeout of one remote request (a timed-out request is not retried)")
     device: str = arg("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
+    dtype: str = arg("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small early "
+                     "LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
     load_in_4bit: bool = arg(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
     gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
     phase_timeout_s: float = arg(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
@@ -212,7 +214,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
 CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "turn"),
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
-           "preset": ("", *PRESETS)}
+           "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
 
 
 def tool_names(cfg: Config) -> list[str]:
@@ -718,6 +720,10 @@ def _sandbox_init(code: str, limits: str, status_fd: str) -> None:
     os.write(int(status_fd), str(reaped[1]).encode())
 
 
+# Read once, at import: inspect reads the file on disk, which its user may be editing while a run goes on.
+_SANDBOX_INIT_SOURCE = f"import sys\n{inspect.getsource(_sandbox_init)}_sandbox_init(*sys.argv[1:])"
+
+
 def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop."""
     unshare, setpriv = (shutil.which(tool) or tool for tool in ("unshare", "setpriv"))
@@ -779,8 +785,7 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
                   resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0}
         if not made:  # NPROC counts ALL processes of the uid (as root: of every sandbox); pids.max is per run
             limits[resource.RLIMIT_NPROC] = SANDBOX_MAX_PROCESSES
-        source = f"import sys\n{inspect.getsource(_sandbox_init)}_sandbox_init(*sys.argv[1:])"
-        init = [sys.executable, "-I", "-S", "-c", source, code, repr(limits)]
+        init = [sys.executable, "-I", "-S", "-c", _SANDBOX_INIT_SOURCE, code, repr(limits)]
         with tempfile.TemporaryDirectory(prefix="flowgrpo_run_", ignore_cleanup_errors=True) as workdir:
             home = "/tmp" if jail else workdir  # in the jail: the tmpfs (the setup's cd); else this directory
             if not jail and os.geteuid() == 0:
@@ -1410,7 +1415,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
     pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = out.cache
     cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
     logits_RV, mask_RL, next_pos_R = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1
     rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
@@ -1430,7 +1435,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
             rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
         mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
         logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
-                          past_key_values=cache, use_cache=True).logits[:, -1]
+                          cache=cache, use_cache=True).logits[:, -1]
         next_pos_R = next_pos_R + 1
     tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
     prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
@@ -1812,21 +1817,26 @@ def resolve_model(name: str) -> str:
 
 
 def load_policy(cfg: Config, device: str, *, trainable: bool):
-    """Base (tiny, or an HF id, folder or GGUF; bf16 on GPU, QLoRA: 4-bit NF4) + LoRA: --adapter when given (trainable
+    """Base (tiny, or an HF id, folder or GGUF, in --dtype; QLoRA: 4-bit NF4) + LoRA: --adapter when given (trainable
     or not), else a fresh adapter to train, else the bare base. Returns the model and its tokenizer."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device == "cuda" else torch.float32
+    if trainable and cfg.old_logprobs == "captured" and dtype != torch.float32:  # SmolLM2 in bf16 (CPU): 0.7% of
+        log("warning: --old-logprobs captured in bf16: the sampler's cached decoding and the update's forward differ "
+            "by up to 0.4 per token, so the clip fires before any update; 'recompute' is exact")  # tokens clipped
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed)
+        model = model.to(dtype)
     else:
-        kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if device == "cuda" else torch.float32}
+        kwargs: dict[str, Any] = {"dtype": dtype}
         if cfg.load_in_4bit:
             if device != "cuda":
                 raise SystemExit("error: --load-in-4bit needs a CUDA GPU (bitsandbytes 4-bit kernels)")
             kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16))
+                bnb_4bit_compute_dtype=dtype))
         try:  # offline, a typo, a gated repo, a folder or file that holds no model: one line, not a traceback
             name = resolve_model(cfg.model)
             tokenizer, model = AutoTokenizer.from_pretrained(name), AutoModelForCausalLM.from_pretrained(name, **kwargs)
@@ -1981,34 +1991,42 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
     return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
 
 
-def fill_old_and_ref(model, rows: list[Row], cfg: Config) -> None:
+def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
+    """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
+    state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
+    trajs = sorted({r.traj_id for r in rows})
+    random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)
+    n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
+    return [[r for r in rows if r.traj_id in set(trajs[k::n_mb])] for k in range(n_mb)]
+
+
+def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
     sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
-    the update's forward IS pi_old: old_logp stays None. pi_ref (adapter off): only for a KL term."""
+    the update's forward IS pi_old: old_logp stays None. pi_ref (adapter off): only for a KL term. Both are computed
+    in the first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (padding, kernels),
+    so other chunks would give ratios != 1 and a KL > 0 before any update."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if cfg.old_logprobs == "captured":
         for r in rows:
             r.old_logp = r.logprobs
-    elif cfg.ppo_epochs > 1 or cfg.num_minibatches > 1:
-        fill_logprobs(model, rows, attr="old_logp", **kw)
-    if cfg.kl_coef > 0:
-        fill_logprobs(model, rows, attr="ref_logp", base=True, **kw)
+    for mb in minibatches(rows, cfg, step, epoch=0):
+        if cfg.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.num_minibatches > 1):
+            fill_logprobs(model, mb, attr="old_logp", **kw)
+        if cfg.kl_coef > 0:
+            fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
 
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
     """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch whose
     loss or gradient norm is not finite is skipped: one NaN must never poison the adapter."""
     params = [p for p in model.parameters() if p.requires_grad]
-    trajs = sorted({r.traj_id for r in rows})
-    n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
     sums, skipped = Counter(), 0
     model.train()
     for epoch in range(cfg.ppo_epochs):
-        random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)  # own RNG: resumable, no global state
-        for k in range(n_mb):
-            chosen = set(trajs[k::n_mb])
+        for mb in minibatches(rows, cfg, step, epoch):
             optimizer.zero_grad(set_to_none=True)
-            loss, st = minibatch_loss_and_backward(model, [r for r in rows if r.traj_id in chosen], cfg)
+            loss, st = minibatch_loss_and_backward(model, mb, cfg)
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
             if norm is None or not torch.isfinite(norm):
                 optimizer.zero_grad(set_to_none=True)
@@ -2176,7 +2194,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
     t1 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
     with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
-        fill_old_and_ref(model, rows, cfg)
+        fill_old_and_ref(model, rows, cfg, step)
         upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
     metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd, "rows": len(rows), "lr": lr,
@@ -2321,7 +2339,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         adv_B = group_advantages(rewards, [i // group for i in range(len(samples))])
         rows = [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a),
                     traj_id=i) for i, (s, a) in enumerate(zip(samples, adv_B))]
-        fill_old_and_ref(model, rows, cfg)
+        fill_old_and_ref(model, rows, cfg, step)
         update_policy(model, optimizer, rows, cfg, step)
         scheduler.step()
         curve.append(sum(rewards) / len(rewards))
@@ -2387,7 +2405,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             n = len(states)
             rows = build_rows(states, [float(i % 2) for i in range(n)], [i // group for i in range(n)])
             with timed(t, "update"):
-                fill_old_and_ref(model, rows, cfg)
+                fill_old_and_ref(model, rows, cfg, step=1)
                 update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
             prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)

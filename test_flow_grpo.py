@@ -2357,7 +2357,7 @@ def test_fill_old_and_ref_picks_pi_old_per_mode_and_later_passes_really_clip():
     def filled(**flags):
         cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=2, **flags)
         rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5])
-        fg.fill_old_and_ref(model, rows, cfg)
+        fg.fill_old_and_ref(model, rows, cfg, step=1)
         return cfg, rows
 
     _, rows = filled(old_logprobs="captured")
@@ -2374,6 +2374,28 @@ def test_fill_old_and_ref_picks_pi_old_per_mode_and_later_passes_really_clip():
                              rows, cfg, step=1)
     assert stats["clip_frac"] > 0 and abs(stats["ratio_mean"] - 1) > 1e-3, stats
 
+
+def test_bf16_pi_old_and_pi_ref_come_from_the_updates_own_micro_batches(capsys):
+    """In bf16 a row's log-probs move with its batch-mates (padding, kernels). pi_old and pi_ref are computed in the
+    first pass's own micro-batches, so with lr = 0 (the weights never move) every ratio is exactly 1 and the KL to a
+    still-zero adapter exactly 0 (chunks in row order: ratio_mean 1.00008, KL 1.4e-7)."""
+    cfg = fg.Config(model="tiny", device="cpu", dtype="bfloat16", lora_r=4, lora_alpha=8, temperature=0.7,
+                    num_minibatches=2, micro_batch_size=2, kl_coef=0.1, old_logprobs="captured")
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    assert "captured in bf16" in capsys.readouterr().err  # the sampler's cached decoding is not the update's forward
+    dtypes = {k: p.dtype for n, p in model.named_parameters() if "layers.0.self_attn.q_proj" in n
+              for k in ("base_layer", "lora_A", "lora_B") if k in n}
+    assert dtypes == {"base_layer": torch.bfloat16, "lora_A": torch.float32, "lora_B": torch.float32}
+    torch.manual_seed(0)
+    prompts = rendered(tok, ["q", "a longer question here", "mid one", "x y z w v u t s r q p o n m"] * 2)
+    samples = fg.sample_actions(model, tok, prompts, max_new_tokens=12, temperature=0.7)
+    assert len({len(s.prompt_ids) + len(s.action_ids) for s in samples}) > 3  # ragged: padding differs per chunk
+    rows = make_rows(samples, [1.0, -1.0] * 4)
+    cfg = dataclasses.replace(cfg, old_logprobs="recompute")
+    fg.fill_old_and_ref(model, rows, cfg, step=1)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    stats = fg.update_policy(model, optimizer, rows, cfg, step=1)
+    assert (stats["ratio_mean"], stats["clip_frac"], stats["kl"]) == (1.0, 0.0, 0.0), stats
 
 def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
     """With ppo_epochs == num_minibatches == 1 the trainer skips the pi_old pass (old_logp=None: the update's
