@@ -1997,7 +1997,8 @@ def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[lis
     trajs = sorted({r.traj_id for r in rows})
     random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)
     n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
-    return [[r for r in rows if r.traj_id in set(trajs[k::n_mb])] for k in range(n_mb)]
+    chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
+    return [[r for r in rows if r.traj_id in c] for c in chosen]
 
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:

@@ -735,6 +735,12 @@ def test_clean_run_returns_stdout_and_no_error():
                       "timed_out": False, "returncode": 0}
 
 
+def test_sandbox_never_rereads_its_source_file(monkeypatch):
+    """A user may edit flow_grpo.py while a run goes on: the init's source is read at import, not at each call."""
+    monkeypatch.setattr(fg.inspect, "getsource", lambda obj: "raise SystemExit('the edited file')\n")
+    assert run_python("print(6 * 7)")["stdout"] == "42\n"
+
+
 def test_busy_loop_times_out_quickly():
     start = time.monotonic()
     result = run_python("print('started')\nwhile True:\n    pass", timeout_s=2)
