@@ -1828,7 +1828,6 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
             "by up to 0.4 per token, so the clip fires before any update; 'recompute' is exact")  # tokens clipped
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed)
-        model = model.to(dtype)
     else:
         kwargs: dict[str, Any] = {"dtype": dtype}
         if cfg.load_in_4bit:
@@ -1845,7 +1844,7 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
                              f"(for an offline run use --preset smoke)")
         tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     if not cfg.load_in_4bit:
-        model = model.to(device)
+        model = model.to(device, dtype)  # (a no-op for a model loaded in dtype: only the tiny one is built in fp32)
     elif trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.adapter and not (Path(cfg.adapter) / "adapter_config.json").exists():
