@@ -2401,12 +2401,12 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
         with timed(seconds, mode):
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, fixed, tools, group_size=g,
                                                              timings=t, share_prefill=mode == "lockstep")]
-        if mode == "lockstep":  # and one update on its turns: their share of a training step
-            n = len(states)
+        if mode == "lockstep":  # and one update on its turns: their share of a training step. At lr 0: the same
+            n = len(states)  # work, but the next modes sample the same policy (an update would change the planner)
             rows = build_rows(states, [float(i % 2) for i in range(n)], [i // group for i in range(n)])
             with timed(t, "update"):
                 fill_old_and_ref(model, rows, cfg, step=1)
-                update_policy(model, make_optimizer(model, cfg)[0], rows, cfg, step=1)
+                update_policy(model, make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0], rows, cfg, step=1)
             prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
         where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)

@@ -2952,6 +2952,17 @@ def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_o
     assert speedup > 2 and remote > 3 and "planner sampling, 8 prompts" in out.stdout
 
 
+def test_benchmark_modes_sample_one_policy_its_timed_update_leaves_the_weights(tmp_path, sample_data, capsys):
+    """The lockstep mode's update is timed, not applied (lr 0): else the unshared and sequential modes would sample
+    another planner than the one they are compared with."""
+    cfg = smoke_cfg(tmp_path, sample_data, max_turns=1, tools="Generalist_Solution_Generator_Tool")
+    model, tokenizer, fixed, tools, _ = fg.build_system(cfg, "cpu", trainable=True)
+    before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    fg._time_rollouts(cfg, model, tokenizer, ["What is 2 + 2?"], 4, fixed, tools)
+    assert "rollout speedup:" in capsys.readouterr().out
+    assert all(torch.equal(before[k], v) for k, v in model.named_parameters() if v.requires_grad)
+
+
 def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
     rows = [prepare_data.make_row(q, a, source, i) for i, (q, a, source) in enumerate(  # (NQ: "; " joins aliases)
         [("ok?", "145; 144", "nq"), ("bad?", "144", "arithmetic"), ("junk?", "7", "nq"), ("nope?", "7", "nq")])]
