@@ -455,11 +455,11 @@ the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 
 """
 
 
-def build_tiny_model(seed: int = 0):
+def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
     preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     core = Tokenizer(models.BPE())
@@ -479,7 +479,7 @@ def build_tiny_model(seed: int = 0):
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # as from_pretrained: RoPE frequencies in fp32
     return model.eval(), tokenizer  # generation_config takes eos and pad from the config
 
 
@@ -1823,11 +1823,11 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device == "cuda" else torch.float32
-    if trainable and cfg.old_logprobs == "captured" and dtype != torch.float32:  # SmolLM2 in bf16 (CPU): 0.7% of
+    if trainable and cfg.old_logprobs == "captured" and dtype != torch.float32:  # SmolLM2 in bf16 (CPU): 0.3% of
         log("warning: --old-logprobs captured in bf16: the sampler's cached decoding and the update's forward differ "
-            "by up to 0.4 per token, so the clip fires before any update; 'recompute' is exact")  # tokens clipped
+            "by up to 0.5 per token, so the clip fires before any update; 'recompute' is exact")  # tokens clipped
     if cfg.model == "tiny":
-        model, tokenizer = build_tiny_model(cfg.seed)
+        model, tokenizer = build_tiny_model(cfg.seed, dtype)
     else:
         kwargs: dict[str, Any] = {"dtype": dtype}
         if cfg.load_in_4bit:
@@ -1844,7 +1844,7 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
                              f"(for an offline run use --preset smoke)")
         tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     if not cfg.load_in_4bit:
-        model = model.to(device, dtype)  # (a no-op for a model loaded in dtype: only the tiny one is built in fp32)
+        model = model.to(device)  # not .to(device, dtype): that would also round the float32 RoPE frequencies
     elif trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.adapter and not (Path(cfg.adapter) / "adapter_config.json").exists():
@@ -1859,7 +1859,7 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"error: could not attach the LoRA adapter to {cfg.model!r}: {_short_error(e)}")
     if trainable and cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return model, tokenizer
 
@@ -2112,9 +2112,10 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 
 
 # The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
-# and how much it logs, how fast it runs - never what a step computes.
+# and how much it logs, how fast and in what precision it runs (a bf16 run may go on in float32) - never what a step
+# computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
-               "device", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
+               "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
                "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
 
 

@@ -2403,6 +2403,33 @@ def test_bf16_pi_old_and_pi_ref_come_from_the_updates_own_micro_batches(capsys):
     stats = fg.update_policy(model, optimizer, rows, cfg, step=1)
     assert (stats["ratio_mean"], stats["clip_frac"], stats["kl"]) == (1.0, 0.0, 0.0), stats
 
+
+def test_dtype_rounds_the_weights_not_the_rope_frequencies(tmp_path):
+    """--dtype bfloat16: weights in bf16, RoPE's inv_freq left in float32 as from_pretrained leaves it (a model.to(
+    dtype) rounded it too: for Qwen2.5 an angle off by 2.3 rad at position 2000). The tiny model and a folder alike."""
+    model, tok = fg.build_tiny_model(0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for name in ("tiny", str(tmp_path)):
+        loaded, _ = fg.load_policy(fg.Config(model=name, dtype="bfloat16"), "cpu", trainable=False)
+        buffers = {n.split(".")[-1]: b.dtype for n, b in loaded.named_buffers()}
+        assert buffers["inv_freq"] == torch.float32 and loaded.model.embed_tokens.weight.dtype == torch.bfloat16, name
+
+
+def test_gradient_checkpointing_saves_memory_not_gradient():
+    """--gradient-checkpointing recomputes activations in the backward: the LoRA gradient must not change."""
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model, tok = fg.load_policy(fg.Config(model="tiny", lora_r=4, gradient_checkpointing=on), "cpu", trainable=True)
+        model.train()
+        assert model.is_activation_checkpointing == on
+        prompt, action = tok(["Task: 12 squared", "144<|im_end|>"], add_special_tokens=False)["input_ids"]
+        fg.action_logprobs(model, [torch.tensor(prompt)], [torch.tensor(action)], temperature=1.0)[0].sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+    assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
 def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
     """With ppo_epochs == num_minibatches == 1 the trainer skips the pi_old pass (old_logp=None: the update's
     own detached log-probs) and the ref pass when kl_coef == 0. Same loss and gradient as computing them."""
@@ -2842,7 +2869,8 @@ def test_resume_refuses_flags_that_change_the_run_and_allows_safe_ones(tmp_path,
         msg = str(e.value.code)
         assert msg.startswith("error:") and "\n" not in msg
         assert all(f"--{k.replace('_', '-')} " in msg for k in flags) and "--max-steps" in msg, msg
-    safe = dataclasses.replace(cfg, resume=True, max_steps=9, save_every=5, log_rollouts=0, micro_batch_size=1)
+    safe = dataclasses.replace(cfg, resume=True, max_steps=9, save_every=5, log_rollouts=0, micro_batch_size=1,
+                               dtype="float32")  # a bf16 run may go on in float32 (README "Precision")
     assert fg.resume_point(tmp_path, safe) == ckpt
     with pytest.raises(SystemExit, match="--fixed-base-url"):  # the in-process base -> a server: other frozen roles
         fg.resume_point(tmp_path, dataclasses.replace(safe, fixed_base_url="http://127.0.0.1:9/v1"))
