@@ -638,14 +638,20 @@ class JudgeVerdict(BaseModel):
 # =====================================================================================================
 
 
-def json_safe(obj: Any, max_chars: int = 2000) -> Any:
-    """A tool result made JSON-safe and short: containers walked, other objects repr()'d, strings cut ('xxx...')."""
+def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
+    """A tool result made JSON-safe and short: containers walked (their first max_items entries, then how many more),
+    other objects repr()'d, strings cut ('xxx...'), a huge integer replaced by its size: one step must not fill the
+    planner's context, nor break json.dumps (which refuses integers of more than 4,300 digits, ~14,300 bits)."""
+    if isinstance(obj, int) and obj.bit_length() > min(3 * max_chars, 14_000):  # 3 bits ~ a digit
+        return f"(an integer of {obj.bit_length()} bits)"
     if obj is None or isinstance(obj, (bool, int, float)):
         return obj if not (isinstance(obj, float) and not math.isfinite(obj)) else str(obj)
-    if isinstance(obj, dict):
-        return {str(k): json_safe(v, max_chars) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set)):
-        return [json_safe(v, max_chars) for v in obj]
+    if isinstance(obj, (dict, list, tuple, set)):
+        more = [f"... {len(obj) - max_items} more"] if len(obj) > max_items else []
+        if isinstance(obj, dict):
+            kept = list(obj.items())[:max_items] + [("...", m) for m in more]
+            return {str(k): json_safe(v, max_chars, max_items) for k, v in kept}
+        return [json_safe(v, max_chars, max_items) for v in list(obj)[:max_items]] + more
     text = obj if isinstance(obj, str) else repr(obj)
     return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
 

@@ -714,6 +714,12 @@ def test_json_safe_and_memory_truncate():
     text = mem.to_text()
     json.loads(text)  # valid JSON
     assert "y" * 48 not in text and "..." in text
+    huge = {"rows": list(range(10_000)), "factorial": math.factorial(2000), "keys": {str(i): i for i in range(60)}}
+    mem.add("T", "goal", {}, huge)  # a custom tool's result: 10,000 items, an integer json.dumps cannot write
+    step = json.loads(mem.to_text())["Step 2"]["result"]
+    assert step["rows"] == [*range(50), "... 9950 more"] and step["factorial"] == "(an integer of 19053 bits)"
+    assert len(step["keys"]) == 51 and step["keys"]["..."] == "... 10 more"
+    json.dumps(fg.json_safe(math.factorial(2000), max_chars=100_000))  # a long memory cap still writes
 
 
 def test_lenient_next_step_needs_only_tool_name_and_sub_goal():
