@@ -152,6 +152,8 @@ class Config:
     train_file: str = arg("data/train/combined_train.parquet", "training parquet from prepare_data.py")
     val_file: str = arg("data/val/aime24.parquet", "validation parquet for --eval")
     eval_limit: int = arg(0, "evaluate on the first N validation questions only (0 = all)")
+    eval_every: int = arg(0, "training: greedy held-out accuracy (per kind) every N steps and before the first (0 = off)")
+    wiki_corpus: str = arg("", "offline Wikipedia: a JSONL file of {title, text} pages, searched with BM25 (no network)")
     # --- the agent ---
     tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
                      "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
@@ -181,6 +183,7 @@ class Config:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     warmup_steps: int = arg(5, "linear warmup steps before the cosine decay")
     max_steps: int = arg(200, "training steps (one rollout batch each)")
+    dynamic_sampling: int = arg(0, "DAPO: drop groups of equal rewards, roll out up to N more batches to fill B groups")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     lora_r: int = arg(16, "LoRA rank")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
@@ -201,12 +204,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
-    # SmolLM2 learns to route arithmetic to Python in one turn, sized for under an hour on 2 CPU cores (README). No KL:
-    # the base writes no parseable plan. Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P]
-    # per layer for the backward: 8 rows of ~650 tokens peaked at 12 GB (7 s a row), 2 rows at 2.7 GB (4 s a row).
-    "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/arithmetic/train.parquet",
-                val_file="data/arithmetic/val.parquet", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
-                batch_size=2, group_size=4, max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2,
+    # SmolLM2 on the offline tools task (prepare_data.py): arithmetic -> Python, lookups -> Wikipedia over the corpus,
+    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. Micro-batches of 2: CPU attention
+    # with a padding mask holds [rows, heads, P, P] per layer for the backward.
+    "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
+                val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
+                tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
+                batch_size=2, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2,
                 kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
                 tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu"),
 }
@@ -244,7 +248,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     known = Config.tools.split(",")  # the default enables every tool there is
     if not tool_names(cfg) or any(t not in known for t in tool_names(cfg)):
         parser.error(f"--tools must name one or more of {known}, not {cfg.tools!r}")
-    for name in ("eval_limit", "log_rollouts", "sft_steps", "warmup_steps"):
+    for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps", "dynamic_sampling"):
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
     if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
@@ -529,7 +533,7 @@ class LocalEngine(Engine):
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
     JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts and whoever gets the lock
     serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
-    max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to a third of the token limit
+    max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
@@ -582,8 +586,9 @@ class LocalEngine(Engine):
                 chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                                      add_special_tokens=False).to(self.model.device)
-                # ~3 characters per token: four strings of max_tokens/3 characters and their keys still close.
-                cap = min(self.max_json_chars, max(8, max_tokens // 3))
+                # ~3 characters per token: four strings of max_tokens/2 characters and their keys still close,
+                # and a one-string call (the executor's) can hold a whole question.
+                cap = min(self.max_json_chars, max(8, max_tokens // 2))
                 mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
                 ids = self.model.generate(**enc, **greedy, logits_processor=[mask] if mask.matchers else None)
                 mask.advance(ids[:, -1])  # the last token was never fed back: the matchers must see it
@@ -891,16 +896,14 @@ def tokenize(text: str) -> list[str]:
     return re.findall(r"[^\W_]+", text.lower())
 
 
-def bm25_top_k(query: str, chunks: list[str], k: int = 5, k1: float = 1.5, b: float = 0.75) -> list[int]:
-    """Indices of the k chunks that best match the query under Okapi BM25, best first, ties to the lower index:
+def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75) -> list[float]:
+    """Okapi BM25 score of each chunk for the query:
         score(chunk) = sum over distinct query terms t of
                        idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(chunk) / avg_len))
     with idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5)) >= 0; k1 saturates the term frequency tf, b penalises length."""
     docs = [Counter(tokenize(c)) for c in chunks]
-    if not docs or k <= 0:
-        return []
     lengths = [sum(d.values()) for d in docs]
-    avg_len = sum(lengths) / len(docs) or 1.0  # all chunks empty: avoid dividing by zero
+    avg_len = sum(lengths) / max(1, len(docs)) or 1.0  # all chunks empty: avoid dividing by zero
     scores = [0.0] * len(docs)
     for term in set(tokenize(query)):
         df = sum(term in d for d in docs)  # document frequency
@@ -908,7 +911,13 @@ def bm25_top_k(query: str, chunks: list[str], k: int = 5, k1: float = 1.5, b: fl
         for i, d in enumerate(docs):
             if term in d:
                 scores[i] += idf * d[term] * (k1 + 1) / (d[term] + k1 * (1 - b + b * lengths[i] / avg_len))
-    return sorted(range(len(docs)), key=lambda i: (-scores[i], i))[:k]
+    return scores
+
+
+def bm25_top_k(query: str, chunks: list[str], k: int = 5) -> list[int]:
+    """Indices of the k chunks that best match the query under BM25, best first, ties to the lower index."""
+    scores = bm25_scores(query, chunks)
+    return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:max(0, k)]
 
 
 def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str, batch_size: int = 64) -> list[int]:
@@ -1036,9 +1045,9 @@ class PythonCoderTool(Tool):
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
     def run(self, args: Any) -> dict:
-        # Short on purpose: SmolLM2-135M's programs were right for 39/48 arithmetic tasks (questions and bare
-        # expressions) with it, 7/24 with a list of rules. The sandbox, not the prompt, keeps the code harmless.
-        prompt = (f"Write a Python program that prints the answer.\nTask: compute {args.query}\n"
+        # Short on purpose: a small model follows one plain sentence better than a list of rules ("compute {query}"
+        # made it name a function after the query: def compute_13*65()). The sandbox keeps the code harmless.
+        prompt = (f"Write a Python program that prints the result of: {args.query}\n"
                   "Reply with the program in one ```python block.")
         reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
         blocks = [(lang.lower(), textwrap.dedent(code)) for lang, code in self.FENCED.findall(reply)]
@@ -1074,12 +1083,13 @@ class WikipediaTool(RAGTool):
     name = "Wikipedia_RAG_Search_Tool"
     description = ("Searches English Wikipedia, reads up to 3 relevant pages and returns, for each, a summary "
                    "written only from the page's most relevant passages, with its URL.")
-    input_model = tool_input("WikipediaInput", query="What to look up, e.g. an entity plus the fact wanted")
+    input_model = tool_input("WikipediaInput", query="The question, copied word for word")
     limitations = ("English Wikipedia only; reads a few passages per page, so facts deep in long articles can be "
                    "missed; no very recent events.")
-    tips = ("Query with the entity name and the fact wanted (e.g. 'Marie Curie Nobel Prize years'). If a result "
-            "is a disambiguation page, retry with one of the listed titles.")
+    tips = ("Use for facts about named people, places and things. If a result is a disambiguation page, retry with "
+            "one of the listed titles.")  # no example query: a small executor copies it instead of the question
     max_pages, max_results, chunk_size = 3, 10, 120  # pages read, search hits offered to the engine, words per window
+    corpus: Optional[dict[str, str]] = None  # offline (--wiki-corpus): title -> text, searched with BM25, no network
 
     def _select_titles(self, query: str, candidates: list[str]) -> list[str]:
         """The candidates the engine picks (invented titles dropped), else the top search hit."""
@@ -1092,19 +1102,33 @@ class WikipediaTool(RAGTool):
         chosen = [t for t in dict.fromkeys(selection.titles if selection is not None else []) if t in candidates]
         return chosen[:self.max_pages] or candidates[:1]
 
+    def _search(self, query: str) -> list[str]:
+        """Titles for the query: Wikipedia's search, or offline the corpus pages that BM25 ranks as clear matches
+        (at least half the best score: a page that shares only "population" with the query is no candidate)."""
+        if self.corpus is None:
+            if len(getattr(wikipedia.search, "_cache", ())) > 4096:  # the package memoises every search forever
+                wikipedia.search.clear_cache()
+            return call_with_timeout(self.timeout_s, wikipedia.search, query, results=self.max_results)
+        scores = bm25_scores(query, [f"{title} {text}" for title, text in self.corpus.items()])
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[:self.max_results]
+        return [list(self.corpus)[i] for i in ranked if scores[i] > 0 and scores[i] >= scores[ranked[0]] / 2]
+
+    def _fetch(self, title: str) -> dict:
+        if self.corpus is None:
+            return _fetch_wikipedia_page(title)
+        return {"title": title, "url": f"corpus:{title}", "content": self.corpus[title]}
+
     def run(self, args: Any) -> dict:
         query = args.query
-        if len(getattr(wikipedia.search, "_cache", ())) > 4096:  # the package memoises every search forever
-            wikipedia.search.clear_cache()
         try:
-            candidates = call_with_timeout(self.timeout_s, wikipedia.search, query, results=self.max_results)
+            candidates = self._search(query)
         except Exception as e:
             return {"query": query, "error": f"Wikipedia search failed: {_short_error(e)}"}
         if not candidates:
             return {"query": query, "error": f"no Wikipedia pages found for '{query}'"}
-        titles = self._select_titles(query, candidates)
+        titles = self._select_titles(query, candidates) if len(candidates) > 1 else candidates  # nothing to choose
         # all pages in parallel under ONE deadline (at worst ~2 x timeout_s in all: the search, then the pages)
-        pages = run_in_threads(_fetch_wikipedia_page, titles, threading.Semaphore(len(titles)), self.timeout_s,
+        pages = run_in_threads(self._fetch, titles, threading.Semaphore(len(titles)), self.timeout_s,
                                f"Wikipedia pages for {query!r}")
         pages = [page or {"title": title, "error": f"timed out after {float(self.timeout_s)} s"}
                  for title, page in zip(titles, pages)]
@@ -1191,14 +1215,40 @@ class WebRAGTool(RAGTool):
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
 
+def read_corpus(path: str) -> dict[str, str]:
+    """--wiki-corpus: a JSONL file, one {"title": ..., "text": ...} page per line -> {title: text}. A file that is
+    missing or malformed is one error line naming the line, before any model loads."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: --wiki-corpus {path}: cannot read it ({_short_error(e, 120)})") from None
+    pages: dict[str, str] = {}
+    for n, line in enumerate(lines, start=1):
+        try:
+            page = json.loads(line) if line.strip() else None
+            if page is not None:
+                pages[str(page["title"])] = str(page["text"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: --wiki-corpus {path} line {n}: not a JSON object with 'title' and 'text' "
+                             f"({_short_error(e, 120)})") from None
+    if not pages:
+        raise SystemExit(f"error: --wiki-corpus {path} holds no page")
+    return pages
+
+
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
-               embed_client: Any = None, embed_model: Optional[str] = None) -> dict[str, Tool]:
-    """Tools by name, each with the options every tool takes; the retrieval tools also get the embeddings."""
+               embed_client: Any = None, embed_model: Optional[str] = None,
+               wiki_corpus: Optional[dict[str, str]] = None) -> dict[str, Tool]:
+    """Tools by name, each with the options every tool takes; the retrieval tools also get the embeddings, and the
+    Wikipedia tool its offline corpus when one is given."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     rag = {"embed_client": embed_client, "embed_model": embed_model}
-    return {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens,
-                               **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
+    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens,
+                                **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
+    if WikipediaTool.name in tools:
+        tools[WikipediaTool.name].corpus = wiki_corpus
+    return tools
 
 
 # =====================================================================================================
@@ -1884,6 +1934,7 @@ def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
 def build_system(cfg: Config, device: str, *, trainable: bool):
     """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off), tools and
     the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
+    corpus = read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None  # a bad file fails before the model loads
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
     remote = lambda flag, url, name, max_tokens: checked(OpenAIEngine(
         url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s, phase_timeout_s=cfg.phase_timeout_s,
@@ -1901,18 +1952,21 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
-    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, **options), judge
+    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, wiki_corpus=corpus, **options), judge
 
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
-    own, split = PRESETS.get(cfg.preset, {}), None
-    for i, (path, key) in enumerate(((cfg.train_file, "train_file"), (cfg.val_file, "val_file"))):
-        if path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
-            split = split or (prepare_data.build_arithmetic() if cfg.preset == "cpu" else
+    own, built = PRESETS.get(cfg.preset, {}), None
+    writers = (("train_file", prepare_data.write_dataset), ("val_file", prepare_data.write_dataset),
+               ("wiki_corpus", prepare_data.write_corpus))
+    for i, (key, write) in enumerate(writers):
+        path = getattr(cfg, key)
+        if path and path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
+            built = built or (prepare_data.build_tools_task() if cfg.preset == "cpu" else
                               prepare_data.build_sample(seed=cfg.seed))
-            prepare_data.write_dataset(split[i], path)
-            log(f"wrote the offline {cfg.preset} data: {path} ({len(split[i])} rows)")
+            write(built[i], path)
+            log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
 
 
 def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
@@ -2006,6 +2060,13 @@ def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[lis
     return [[r for r in rows if r.traj_id in c] for c in chosen]
 
 
+def has_signal(rows: list[Row], cfg: Config) -> bool:
+    """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
+    so its forward and backward passes would be wasted, and an optimizer step would still move the weights on
+    Adam's stale momentum: such a minibatch is skipped (DAPO's reason for filtering equal-reward groups)."""
+    return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
+
+
 def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
     sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
@@ -2013,6 +2074,8 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
     in the first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (padding, kernels),
     so other chunks would give ratios != 1 and a KL > 0 before any update."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
+    if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
+        return
     if cfg.old_logprobs == "captured":
         for r in rows:
             r.old_logp = r.logprobs
@@ -2024,13 +2087,17 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
 
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
-    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch whose
-    loss or gradient norm is not finite is skipped: one NaN must never poison the adapter."""
+    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
+    signal (has_signal) costs nothing; one whose loss or gradient norm is not finite is skipped: one NaN must never
+    poison the adapter."""
     params = [p for p in model.parameters() if p.requires_grad]
-    sums, skipped = Counter(), 0
+    sums, skipped, no_signal = Counter(), 0, 0
     model.train()
     for epoch in range(cfg.ppo_epochs):
         for mb in minibatches(rows, cfg, step, epoch):
+            if not has_signal(mb, cfg):
+                no_signal += 1
+                continue
             optimizer.zero_grad(set_to_none=True)
             loss, st = minibatch_loss_and_backward(model, mb, cfg)
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
@@ -2042,6 +2109,7 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
             sums.update(st, loss=loss, grad_norm=norm.item(), updates=1)
     done = max(1, sums["updates"])
     return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean", "grad_norm")}, "skipped_updates": skipped,
+            "no_signal_minibatches": no_signal, "updates": sums["updates"],
             "loss": sums["loss"] / done if sums["updates"] else float("nan")}
 
 
@@ -2121,6 +2189,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 # and how much it logs, how fast and in what precision it runs (a bf16 run may go on in float32) - never what a step
 # computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
+               "eval_every",
                "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
                "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
 
@@ -2186,16 +2255,51 @@ def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
             "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
 
 
-def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
-               tools: dict, cfg: Config, step: int) -> tuple[dict, list[AgentState], list[float]]:
-    """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards."""
-    engines = {id(e): e for e in (fixed, judge) if e is not None}.values()  # the judge may be the fixed engine
-    G, timings, t0 = cfg.group_size, {}, time.perf_counter()
-    sent = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, and failed
+def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge: Optional[Engine], tools: dict,
+                      cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
+    """G trajectories per question of `batch` (trajectory i answers batch[i // G]), their rewards, judge fallbacks."""
+    G = cfg.group_size
     states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, fixed, tools, group_size=G, timings=timings)
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
                                        [b["answer"] for b in batch for _ in range(G)], judge,
                                        [b.get("source") for b in batch for _ in range(G)])
+    return states, rewards, fallbacks
+
+
+def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fixed: Engine, judge: Optional[Engine],
+                  tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
+    """DAPO's dynamic sampling (--dynamic-sampling N): groups whose rewards are all equal are dropped, and up to N more
+    batches of questions (drawn by their own seeded RNG: a resumed run draws the same) are rolled out until B groups
+    with variance are kept. Without it every group is kept. Returns the kept states and rewards, and counts."""
+    G, kept_states, kept_rewards, c = cfg.group_size, [], [], Counter()
+    for attempt in range(cfg.dynamic_sampling + 1):
+        if attempt:
+            draw = random.Random(f"dynamic-{cfg.seed}-{step}-{attempt}")
+            batch = [data_rows[i] for i in draw.sample(range(len(data_rows)), min(cfg.batch_size, len(data_rows)))]
+        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, fixed, judge, tools, cfg, timings)
+        c.update(rollouts=1, groups=len(batch), flat_groups=zero_std_frac(rewards, [i // G for i in range(len(states))])
+                 * len(batch), judge_fallbacks=fallbacks, trajectories=len(states), reward_sum=sum(rewards))
+        for g in range(len(batch)):
+            group_states, group_rewards = states[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G]
+            if cfg.dynamic_sampling == 0 or max(group_rewards) > min(group_rewards):
+                kept_states += group_states
+                kept_rewards += group_rewards
+        if len(kept_states) >= cfg.batch_size * G:
+            break
+    n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
+    return kept_states[:n], kept_rewards[:n], c
+
+
+def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
+               tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None
+               ) -> tuple[dict, list[AgentState], list[float]]:
+    """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
+    reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
+    engines = {id(e): e for e in (fixed, judge) if e is not None}.values()  # the judge may be the fixed engine
+    G, timings, t0 = cfg.group_size, {}, time.perf_counter()
+    sent = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, and failed
+    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, fixed, judge, tools, cfg, step,
+                                       timings)
     group_ids = [i // G for i in range(len(states))]
     rows = build_rows(states, rewards, group_ids, cfg.adv_scale, cfg.adv_unit)
     t1 = time.perf_counter()
@@ -2204,9 +2308,10 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
         fill_old_and_ref(model, rows, cfg, step)
         upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
-    metrics = {"step": step, "reward_mean": sum(rewards) / len(rewards), **upd, "rows": len(rows), "lr": lr,
-               "zero_std_frac": zero_std_frac(rewards, group_ids), **trajectory_metrics(states, tools),
-               "judge_fallbacks": fallbacks, "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
+    metrics = {"step": step, "reward_mean": c["reward_sum"] / max(1, c["trajectories"]), **upd, "rows": len(rows),
+               "lr": lr, "zero_std_frac": c["flat_groups"] / max(1, c["groups"]), "rollouts": c["rollouts"],
+               "kept_groups": len(states) // G, **trajectory_metrics(states, tools),
+               "judge_fallbacks": c["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
                "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
                "engine_requests": sum(e.requests for e in engines) - sent[0],
@@ -2273,6 +2378,45 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
     return losses
 
 
+def route(st: AgentState) -> str:
+    """The tools of a trajectory's plans in order, each by its first word: 'Wikipedia>Python'."""
+    return ">".join(t.plan.tool_name.split("_")[0] if t.plan else "(unparsed)" for t in st.turns) or "(none)"
+
+
+def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
+                batch: int = 16) -> dict:
+    """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), each kind's routes
+    ({"compound": {"Wikipedia>Python": 12, ...}}), and agent_counts."""
+    rewards, c, by_kind, routes = [], Counter(), {}, {}
+    for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
+        questions = [r["question"] for r in chunk]
+        states = solve_batch(questions, planner=planner, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
+                             memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
+        got = judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge,
+                            [r.get("source") for r in chunk])[0]
+        rewards += got
+        c += agent_counts(states, tools)
+        for r, st, reward in zip(chunk, states, got):
+            by_kind.setdefault(r.get("source", "?"), []).append(reward)
+            routes.setdefault(r.get("source", "?"), Counter())[route(st)] += 1
+    return {"accuracy": sum(rewards) / max(1, len(rewards)), "n": len(rewards), "correct": round(sum(rewards)),
+            "by_kind": {k: sum(v) / len(v) for k, v in by_kind.items()},
+            "routes": {k: dict(v.most_common()) for k, v in routes.items()}, "counts": dict(c)}
+
+
+def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
+                     cfg: Config) -> dict:
+    """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
+    t0 = time.perf_counter()
+    model.eval()
+    planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg)
+    log(f"held-out accuracy {result['correct']}/{result['n']}: " + ", ".join(
+        f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
+    return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
+            "eval_routes": result["routes"], "eval_s": time.perf_counter() - t0}
+
+
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
     torch.manual_seed(cfg.seed)
@@ -2290,7 +2434,7 @@ def train(cfg: Config) -> Path:
     optimizer, scheduler = make_optimizer(model, cfg)
     start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
-        trim_jsonl(out_dir / name, start)
+        trim_jsonl(out_dir / name, start if start else -1)  # (the step-0 evaluation is written again)
     if last and start >= cfg.max_steps:
         log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
     if cfg.sft_steps > 0 and last is None:
@@ -2299,6 +2443,11 @@ def train(cfg: Config) -> Path:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
+    eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit) if cfg.eval_every else []
+    held_out = lambda: held_out_metrics(model, tokenizer, fixed, tools, judge, eval_rows, cfg)
+    if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
+        with open(out_dir / "metrics.jsonl", "a") as mf:
+            mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
 
     with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
             open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf, \
@@ -2307,7 +2456,9 @@ def train(cfg: Config) -> Path:
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(len(data_rows), cfg.seed, step, cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
-                                                  tools, cfg, step)
+                                                  tools, cfg, step, data_rows)
+            if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                metrics.update(held_out())
             mf.write(json.dumps(metrics) + "\n")
             rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
                           for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
@@ -2365,22 +2516,20 @@ def build_agent(cfg: Config, device: str):
 
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
-    """Greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
+    """--eval: greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
     rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit)
     fixed, tools, judge, planner = build_agent(cfg, device)
-    correct, c = [], Counter()
-    for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
-        questions = [r["question"] for r in chunk]
-        states = solve_batch(questions, planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
-                             memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
-        correct += judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge,
-                                 [r.get("source") for r in chunk])[0]
-        c += agent_counts(states, tools)
+    t0 = time.perf_counter()
+    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, batch)
+    c = result["counts"]
     print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
-          + ", ".join(f"{t} {c['tool:' + t]}" for t in tools))
-    print(f"eval: accuracy {round(sum(correct))}/{len(correct)}, plans parsed {c['plans']}/{c['turns']}, tool calls "
-          f"valid {c['calls_valid']}/{c['calls']}, structured outputs valid {c['structured_valid']}/{c['structured']}")
-    return {"accuracy": sum(correct) / max(1, len(correct)), "n": len(correct), "counts": dict(c)}
+          + ", ".join(f"{t} {c.get('tool:' + t, 0)}" for t in tools) + f" ({time.perf_counter() - t0:.0f} s)")
+    for kind, acc in result["by_kind"].items():
+        print(f"  {kind}: accuracy {acc:.2f}, routes {result['routes'][kind]}")
+    print(f"eval: accuracy {result['correct']}/{result['n']}, plans parsed {c.get('plans', 0)}/{c.get('turns', 0)}, "
+          f"tool calls valid {c.get('calls_valid', 0)}/{c.get('calls', 0)}, structured outputs valid "
+          f"{c.get('structured_valid', 0)}/{c.get('structured', 0)}")
+    return result
 
 
 def ask(cfg: Config, device: str) -> None:
@@ -2519,24 +2668,35 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
 
 
 def plot_run(cfg: Config) -> None:
-    """--plot: reward, plan-parse rate and each tool's share per step of the run in --output-dir: a table, curve.png."""
+    """--plot: per step of the run in --output-dir, reward, plan-parse rate and each tool's share (a table and curve.png),
+    and where --eval-every wrote them, held-out accuracy overall and per kind (a table and heldout.png)."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
-    steps = []
+    lines = []
     for line in path.read_text().splitlines():  # a line torn by a crash is skipped, as --resume drops it
         with contextlib.suppress(ValueError):
-            steps.append(json.loads(line))
-    if not steps:
+            lines.append(json.loads(line))
+    steps, evals = [m for m in lines if "reward_mean" in m], [m for m in lines if "eval_accuracy" in m]
+    if not steps and not evals:
         raise SystemExit(f"error: {path} holds no finished step yet")
-    shares = {f"{t.split('_')[0]} share": [m["tool_share"][t] for m in steps] for t in sorted(steps[0]["tool_share"])}
-    series = {"reward": [m["reward_mean"] for m in steps], "plans parsed": [m["plan_parse_rate"] for m in steps],
-              **shares}
-    print("step  " + "  ".join(f"{k:>16s}" for k in series))
-    for i, m in enumerate(steps):
-        print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
-    save_png(Path(cfg.output_dir) / "curve.png", [m["step"] for m in steps], series, "mean / share per step",
-             f"Flow-GRPO run in {cfg.output_dir}")
+    tables = []
+    if steps:
+        shares = {f"{t.split('_')[0]} share": [m["tool_share"][t] for m in steps]
+                  for t in sorted(steps[0]["tool_share"])}
+        tables.append((steps, {"reward": [m["reward_mean"] for m in steps],
+                               "plans parsed": [m["plan_parse_rate"] for m in steps], **shares}, "curve.png"))
+    if evals:
+        kinds = sorted({k for m in evals for k in m["eval_by_kind"]})
+        tables.append((evals, {"held-out": [m["eval_accuracy"] for m in evals],
+                               **{k: [m["eval_by_kind"].get(k, float("nan")) for m in evals] for k in kinds}},
+                       "heldout.png"))
+    for rows, series, png in tables:
+        print("step  " + "  ".join(f"{k:>16s}" for k in series))
+        for i, m in enumerate(rows):
+            print(f"{m['step']:4d}  " + "  ".join(f"{v[i]:16.2f}" for v in series.values()))
+        save_png(Path(cfg.output_dir) / png, [m["step"] for m in rows], series,
+                 "mean / share / accuracy per step", f"Flow-GRPO run in {cfg.output_dir}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

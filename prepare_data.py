@@ -32,7 +32,7 @@ Usage::
     python prepare_data.py                      # full data from the HF Hub
     python prepare_data.py --max-samples 2000   # 2000 rows per training source
     python prepare_data.py --sample             # tiny built-in set, no network
-    python prepare_data.py --arithmetic         # OUT/arithmetic/{train,val}.parquet, generated offline
+    python prepare_data.py --tools-task         # OUT/tools_task/: the cpu preset's offline task and corpus
 
 ``--sample`` writes the same two files from ~90 questions written by hand
 below, so the whole pipeline (data -> rollouts -> reward -> update) can be
@@ -42,6 +42,7 @@ tried on a laptop without touching the network.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import operator
 import os
@@ -558,35 +559,111 @@ def build_sample(seed: int = 42, max_samples: int | None = None):
 
 # ---------------------------------------------------------------- Arithmetic
 #
-# The task of flow_grpo.py's cpu preset: questions where exact computation
-# decides. A 135M-parameter model guesses multi-digit products and sums wrong
-# but writes `print(37 * 91)` easily, so a planner can learn to route them to
-# the Python tool. Answers are COMPUTED from the drawn operands, never typed.
-# Operators are written as symbols: with "37 times 91" the same model passed
-# "37times91" on as the tool's query, with "37 * 91" the expression itself.
+# The task of flow_grpo.py's cpu preset: three kinds of questions, each with
+# its own right plan, so that a planner must learn WHICH tool for WHICH
+# question and IN WHAT ORDER:
+#   arithmetic  "What is 37 * 91?"                  -> Python (a 135M model
+#               guesses products wrong but writes print(37 * 91) easily)
+#   lookup      "How many bridges does Vorlund have?" -> Wikipedia over the
+#               offline corpus (the facts are invented: no model knows them)
+#   compound    "... Vorlund have, plus 250?"        -> Wikipedia, then Python
+# The corpus is a world of invented towns with three numeric facts each; it
+# is the Wikipedia tool's world, shared by training and held-out questions.
+# Held out are new question instances: new operands, and (town, fact) pairs
+# never asked in training. Answers are COMPUTED, never typed. Operators are
+# symbols: with "37 times 91" SmolLM2 passed "37times91" on to the tool.
 
-ARITHMETIC_TRAIN_FILE = Path("arithmetic") / "train.parquet"
-ARITHMETIC_VAL_FILE = Path("arithmetic") / "val.parquet"
-
-# (question template, operation, range of a, range of b)
-ARITHMETIC_TEMPLATES = (
+TOOLS_TASK_DIR = Path("tools_task")  # train.parquet, val.parquet, corpus.jsonl
+ARITHMETIC_TEMPLATES = (  # (question template, operation, range of a, range of b)
     ("What is {a} * {b}?", operator.mul, (12, 99), (12, 99)),
     ("What is {a} + {b}?", operator.add, (1000, 9999), (1000, 9999)),
     ("What is {a} - {b}?", operator.sub, (1000, 9999), (100, 999)),
 )
+# (fact, the corpus sentence, the question, range of the value)
+FACTS = (
+    ("population", "{name} has a population of {v}.", "What is the population of {name}", (1000, 9999)),
+    ("founded", "{name} was founded in the year {v}.", "In what year was {name} founded", (1100, 1899)),
+    ("bridges", "{name} has {v} bridges.", "How many bridges does {name} have", (11, 99)),
+)
+SYLLABLES = ("vor", "lund", "kes", "sim", "ar", "tav", "rin", "mol", "dra", "zen", "bri", "os", "fal", "gor", "quil",
+             "wex", "ply", "sor", "nev", "ul", "tam", "brek", "hul", "yst")
 
 
-def arithmetic_rows(n: int, seed: int) -> list[dict]:
-    """n distinct questions drawn with a seeded RNG, templates in turn."""
-    rng, rows, seen = random.Random(seed), [], set()
+def invented_names(n: int, rng: random.Random) -> list[str]:
+    """n distinct town names of two or three syllables ("Vorlund", "Kessimar")."""
+    names: list[str] = []
+    while len(names) < n:
+        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def tools_corpus(n_towns: int, rng: random.Random) -> list[dict]:
+    """[{"title", "text", "facts"}]: one short passage per town, its facts in a fixed order."""
+    docs = []
+    for name in invented_names(n_towns, rng):
+        facts = {fact: rng.randint(*span) for fact, _, _, span in FACTS}
+        text = " ".join(sentence.format(name=name, v=facts[fact]) for fact, sentence, _, _ in FACTS)
+        docs.append({"title": name, "text": text, "facts": facts})
+    return docs
+
+
+def arithmetic_rows(n: int, rng: random.Random, seen: set) -> list[dict]:
+    """n new arithmetic questions (not in `seen`), templates in turn."""
+    rows: list[dict] = []
     while len(rows) < n:
         text, op, range_a, range_b = ARITHMETIC_TEMPLATES[len(rows) % len(ARITHMETIC_TEMPLATES)]
         a, b = rng.randint(*range_a), rng.randint(*range_b)
-        question = text.format(a=a, b=b)
-        if question not in seen:  # distinct: no held-out question is also a training one
+        if (question := text.format(a=a, b=b)) not in seen:
             seen.add(question)
             rows.append(make_row(question, str(op(a, b)), "arithmetic", len(rows)))
     return rows
+
+
+def fact_rows(pairs: list[tuple[dict, int]], rng: random.Random) -> list[dict]:
+    """A lookup and a compound question for each (town, fact index): "...?" and "..., plus k?" / "..., times k?"."""
+    rows = []
+    for doc, f in pairs:
+        fact, _, ask, _ = FACTS[f]
+        value, name = doc["facts"][fact], doc["title"]
+        rows.append(make_row(f"{ask.format(name=name)}?", str(value), "lookup", 0))
+        k, times = rng.randint(101, 999), rng.random() < 0.5
+        k = k % 8 + 2 if times else k  # a one-digit factor, or a three-digit term
+        rows.append(make_row(f"{ask.format(name=name)}, {'times' if times else 'plus'} {k}?",
+                             str(value * k if times else value + k), "compound", 0))
+    return rows
+
+
+def build_tools_task(seed: int = 42, n_towns: int = 80, n_train: int = 600, n_val: int = 60):
+    """(train_rows, val_rows, corpus): each kind a third of each split. The (town, fact) pairs are split first, so
+    no held-out lookup or compound question asks what a training question asked."""
+    rng = random.Random(seed)
+    corpus = tools_corpus(n_towns, rng)
+    pairs = [(doc, f) for doc in corpus for f in range(len(FACTS))]
+    rng.shuffle(pairs)
+    n_val_pairs = n_val // 3
+    seen: set = set()
+    val = arithmetic_rows(n_val // 3, rng, seen) + fact_rows(pairs[:n_val_pairs], rng)
+    train_pairs = [pairs[n_val_pairs + i % (len(pairs) - n_val_pairs)] for i in range(n_train // 3)]
+    train = arithmetic_rows(n_train // 3, rng, seen) + fact_rows(train_pairs, rng)
+    kinds = [[r for r in val if r["source"] == kind] for kind in ("arithmetic", "lookup", "compound")]
+    val = [r for triple in zip(*kinds) for r in triple]  # kinds in turn: any prefix (--eval-limit) is balanced
+    rng.shuffle(train)
+    return reindex(train), reindex(val), [{"title": d["title"], "text": d["text"]} for d in corpus]
+
+
+def write_corpus(docs: list[dict], path) -> Path:
+    """One JSON object per line ({"title", "text"}), written aside then renamed, as write_dataset does."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def load_questions(path: str, limit: int = 0) -> list[dict]:
@@ -614,13 +691,6 @@ def load_questions(path: str, limit: int = 0) -> list[dict]:
     if not rows:
         fail("holds no usable question")
     return rows[:limit] if limit else rows
-
-
-def build_arithmetic(seed: int = 42, n_train: int = 600, n_val: int = 60):
-    """(train_rows, val_rows): one draw of distinct questions, split, so the
-    validation questions are held out."""
-    rows = arithmetic_rows(n_train + n_val, seed)
-    return reindex(rows[:n_train]), reindex(rows[n_train:])
 
 
 # ---------------------------------------------------------------- CLI
@@ -653,20 +723,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     offline.add_argument("--sample", action="store_true",
                          help="offline mode: build both files from ~90 built-in "
                          "questions instead of downloading from the Hugging Face Hub")
-    offline.add_argument("--arithmetic", action="store_true",
-                         help="offline mode: write OUT/arithmetic/train.parquet and "
-                         "val.parquet, generated multi-digit arithmetic (computed answers)")
+    offline.add_argument("--tools-task", action="store_true",
+                         help="offline mode: write OUT/tools_task/{train,val}.parquet "
+                         "and corpus.jsonl: arithmetic, lookups in a corpus of "
+                         "invented towns, and both (computed answers)")
     args = p.parse_args(argv)
-    if args.arithmetic and args.max_samples is not None:
-        p.error("--max-samples applies to the hub and --sample sets, not to --arithmetic")
+    if args.tools_task and args.max_samples is not None:
+        p.error("--max-samples applies to the hub and --sample sets, not to --tools-task")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.arithmetic:
-        for rows, name in zip(build_arithmetic(args.seed), (ARITHMETIC_TRAIN_FILE, ARITHMETIC_VAL_FILE)):
-            print(f"wrote {write_dataset(rows, args.out_dir / name)} ({len(rows)} rows)")
+    if args.tools_task:
+        train, val, corpus = build_tools_task(args.seed)
+        for rows, name in ((train, "train.parquet"), (val, "val.parquet")):
+            print(f"wrote {write_dataset(rows, args.out_dir / TOOLS_TASK_DIR / name)} ({len(rows)} rows)")
+        print(f"wrote {write_corpus(corpus, args.out_dir / TOOLS_TASK_DIR / 'corpus.jsonl')} ({len(corpus)} towns)")
         return 0
     if args.sample:
         train, val = build_sample(args.seed, args.max_samples)

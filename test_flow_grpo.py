@@ -11,6 +11,7 @@ import faulthandler
 import importlib.util
 import json
 import math
+import operator
 import os
 import random
 import re
@@ -3230,8 +3231,8 @@ def test_write_dataset_failure_keeps_the_previous_file_whole(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.parquet"]  # no temporary file left
 
 
-@pytest.mark.parametrize("argv", [["--max-samples", "0"], ["--sample", "--arithmetic"],
-                                  ["--arithmetic", "--max-samples", "3"]])
+@pytest.mark.parametrize("argv", [["--max-samples", "0"], ["--sample", "--tools-task"],
+                                  ["--tools-task", "--max-samples", "3"]])
 def test_flags_that_would_be_ignored_or_are_invalid_are_refused(argv):
     with pytest.raises(SystemExit):
         prepare_data.parse_args(argv)
@@ -3422,19 +3423,158 @@ def test_build_hub_with_fake_datasets(monkeypatch):
             assert r["question"] == f"m{r['extra_info']['idx']}"
 
 
-def test_arithmetic_answers_are_computed_and_the_eval_split_held_out(tmp_path, monkeypatch):
-    train, val = prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30)
-    assert prepare_data.build_arithmetic(seed=42, n_train=60, n_val=30) == (train, val)  # seeded
-    ops = {"*": lambda a, b: a * b, "+": lambda a, b: a + b, "-": lambda a, b: a - b}
+def test_tools_task_is_seeded_computed_from_the_corpus_and_held_out(tmp_path, monkeypatch):
+    train, val, corpus = prepare_data.build_tools_task(seed=42, n_towns=30, n_train=60, n_val=30)
+    assert prepare_data.build_tools_task(seed=42, n_towns=30, n_train=60, n_val=30) == (train, val, corpus)  # seeded
+    assert prepare_data.build_tools_task(seed=43, n_towns=30, n_train=60, n_val=30)[2] != corpus
+    facts = {}  # (town, question stem) -> the value, read back from the corpus text itself
+    for page in corpus:
+        for fact, sentence, ask, _ in prepare_data.FACTS:
+            pattern = re.escape(sentence.format(name=page["title"], v="@")).replace("@", r"(\d+)")
+            facts[ask.format(name=page["title"])] = int(re.search(pattern, page["text"])[1])
+    ops = {"*": operator.mul, "+": operator.add, "-": operator.sub}
     for r in train + val:
-        a, op, b = r["question"].removeprefix("What is ").removesuffix("?").split(" ")
-        assert r["result"] == str(ops[op](int(a), int(b))) and r["source"] == "arithmetic"
+        q = r["question"]
+        if r["source"] == "arithmetic":
+            a, op, b = q.removeprefix("What is ").removesuffix("?").split(" ")
+            expected = ops[op](int(a), int(b))
+        elif r["source"] == "lookup":
+            expected = facts[q.removesuffix("?")]
+        else:
+            stem, _, tail = q.removesuffix("?").rpartition(", ")
+            how, k = tail.split(" ")
+            expected = facts[stem] * int(k) if how == "times" else facts[stem] + int(k)
+        assert r["result"] == str(expected), r
+    for rows in (train, val):  # each kind a third, and kinds in turn in the held-out split
+        assert Counter(r["source"] for r in rows) == {k: len(rows) // 3 for k in ("arithmetic", "lookup", "compound")}
+    assert [r["source"] for r in val[:3]] == ["arithmetic", "lookup", "compound"]
+    stem = lambda q: q.removesuffix("?").split(", ")[0]
+    assert not {stem(r["question"]) for r in train if r["source"] != "arithmetic"} & \
+        {stem(r["question"]) for r in val if r["source"] != "arithmetic"}  # no held-out (town, fact) asked in training
     assert not {r["question"] for r in train} & {r["question"] for r in val}
-    assert [r["id"] for r in val] == list(range(30))
     monkeypatch.chdir(tmp_path)  # the cpu preset writes its own files on first use, and only those
     cfg = fg.parse_config(["--preset", "cpu"])
     assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0 and cfg.device == "cpu"
     fg.ensure_sample_data(cfg)
     assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
-    assert run_script("--arithmetic", "--out-dir", tmp_path / "cli").returncode == 0
-    assert pd.read_parquet(tmp_path / "cli" / "arithmetic" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
+    assert len(fg.read_corpus(cfg.wiki_corpus)) == 80
+    assert run_script("--tools-task", "--out-dir", tmp_path / "cli").returncode == 0
+    assert pd.read_parquet(tmp_path / "cli" / "tools_task" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
+    assert (tmp_path / "cli" / "tools_task" / "corpus.jsonl").read_text() == Path(cfg.wiki_corpus).read_text()
+
+
+CORPUS = {"Vorlund": "Vorlund has a population of 4312. Vorlund was founded in the year 1723.",
+          "Kessimar": "Kessimar has a population of 2051. Kessimar has 17 bridges.",
+          "Tavrin": "Tavrin was founded in the year 1402. Tavrin has 63 bridges."}
+
+
+def test_offline_wikipedia_answers_from_the_corpus_without_network(monkeypatch):
+    def no_network(*a, **k):
+        raise AssertionError("the offline tool went online")
+    monkeypatch.setattr(wikipedia, "search", no_network)
+    monkeypatch.setattr(fg, "_fetch_wikipedia_page", no_network)
+    engine = ScriptedEngine(lambda p: p)  # echoes its prompt: the summary shows which passage it was given
+    tool = fg.make_tools(["Wikipedia_RAG_Search_Tool"], engine, wiki_corpus=CORPUS)["Wikipedia_RAG_Search_Tool"]
+    result = tool({"query": "How many bridges does Kessimar have?"})
+    assert [p["title"] for p in result["pages"]] == ["Kessimar"] and "error" not in result
+    assert "Kessimar has 17 bridges" in result["pages"][0]["summary"] and "Tavrin" not in result["pages"][0]["summary"]
+    assert not any(p.startswith("You choose") for p in engine.calls)  # one clear match: nothing to choose
+    # a page that shares only a common word with the query ("population") is no candidate
+    assert [p["title"] for p in tool({"query": "population of Vorlund"})["pages"]] == ["Vorlund"]
+    assert tool({"query": "Zanzibar"}) == {"query": "Zanzibar", "error": "no Wikipedia pages found for 'Zanzibar'"}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read it"), ('{"title": "A", "text": "x"}\nnot json\n', "line 2: not a JSON object"),
+    ('{"title": "A"}\n', "line 1: not a JSON object with 'title' and 'text'"), ("\n\n", "holds no page"),
+    ('["A", "x"]\n', "line 1")])
+def test_a_bad_corpus_file_is_one_error_line(tmp_path, content, message):
+    path = tmp_path / "corpus.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=re.escape(message)) as e:
+        fg.read_corpus(str(path))
+    assert str(e.value).startswith("error: --wiki-corpus") and "\n" not in str(e.value)
+    out = subprocess.run([sys.executable, "flow_grpo.py", "--model", "tiny", "--device", "cpu", "--ask", "hi",
+                          "--wiki-corpus", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: --wiki-corpus")
+
+
+def test_a_step_without_signal_costs_no_pass_and_leaves_the_weights(tiny, monkeypatch):
+    model, tok = tiny
+    cfg = fg.Config(model="tiny", device="cpu", lr=1e-2, warmup_steps=0, micro_batch_size=2, kl_coef=0.0,
+                    num_minibatches=2, ppo_epochs=2)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 4), max_new_tokens=6, temperature=1.0)
+    passes = []
+    handle = model.register_forward_hook(lambda *a: passes.append(1))
+    try:
+        opt, _ = fg.make_optimizer(model, cfg)
+        lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        rows = make_rows(samples, [0.0] * 4)
+        fg.fill_old_and_ref(model, rows, cfg, step=1)
+        stats = fg.update_policy(model, opt, rows, cfg, step=1)
+        assert passes == [] and stats["no_signal_minibatches"] == 4 and stats["updates"] == 0
+        assert all(torch.equal(p, lora[n]) for n, p in model.named_parameters() if p.requires_grad)
+        rows = make_rows(samples, [1.0, -1.0, 0.0, 0.0])  # one minibatch may hold both zero rows: it is skipped
+        fg.fill_old_and_ref(model, rows, cfg, step=1)
+        stats = fg.update_policy(model, opt, rows, cfg, step=1)
+        assert passes and stats["updates"] + stats["no_signal_minibatches"] == 4 and stats["updates"] >= 2
+        passes.clear()
+        fg.fill_old_and_ref(model, make_rows(samples, [0.0] * 4), dataclasses.replace(cfg, kl_coef=0.1), step=1)
+        assert passes  # with a KL term a zero advantage still has a gradient: pi_ref is computed
+    finally:
+        handle.remove()
+
+
+def test_dynamic_sampling_keeps_groups_with_variance_and_bounds_the_tries(monkeypatch):
+    cfg = fg.Config(batch_size=2, group_size=2, dynamic_sampling=3, seed=0)
+    data = [{"question": f"q{i}", "answer": "1"} for i in range(10)]
+    flat = {"q0", "q1", "q2", "q3", "q4", "q5", "q6"}  # these questions give equal rewards in their group
+    calls = []
+
+    def fake(model, tok, batch, fixed, judge, tools, cfg, timings):
+        calls.append([b["question"] for b in batch])
+        states = [fg.AgentState(question=b["question"], memory=fg.Memory()) for b in batch for _ in range(2)]
+        rewards = [0.0 if st.question in flat else float(i % 2) for i, st in enumerate(states)]
+        return states, rewards, 0
+    monkeypatch.setattr(fg, "rollout_and_judge", fake)
+    states, rewards, c = fg.dynamic_batch(None, None, [data[0], data[1]], data, None, None, {}, cfg, 1, {})
+    kept = [st.question for st in states]
+    assert len(states) == 4 and all(q not in flat for q in kept) and len(calls) <= 4
+    assert kept[0] == kept[1] and kept[2] == kept[3] and rewards[0] != rewards[1]  # whole groups, in order
+    assert c["rollouts"] == len(calls) and c["flat_groups"] == sum(q in flat for qs in calls for q in qs)
+    flat.update(f"q{i}" for i in range(10))  # nothing has variance: the tries stop at the bound, nothing is kept
+    calls.clear()
+    states, _, c = fg.dynamic_batch(None, None, [data[0], data[1]], data, None, None, {}, cfg, 1, {})
+    assert states == [] and len(calls) == 4 and c["groups"] == 8
+    cfg.dynamic_sampling = 0  # off: one rollout, every group kept
+    calls.clear()
+    states, _, _ = fg.dynamic_batch(None, None, [data[0], data[1]], data, None, None, {}, cfg, 1, {})
+    assert len(calls) == 1 and len(states) == 4
+
+
+def test_eval_every_writes_held_out_accuracy_per_kind_and_plot_shows_it(tmp_path, sample_data, monkeypatch, capsys):
+    val = [prepare_data.make_row(f"What is {i} + 1?", str(i + 1), kind, i)
+           for i, kind in enumerate(["arithmetic", "lookup", "compound", "arithmetic"])]
+    prepare_data.write_dataset(val, tmp_path / "val.parquet")
+    judged = iter([1.0, 0.0, 0.0, 1.0] * 10)  # per evaluated question, in order
+    real = fg.judge_rewards
+    monkeypatch.setattr(fg, "judge_rewards", lambda qs, answers, truths, engine, sources: (
+        [next(judged) for _ in qs], 0) if len(qs) == 4 else real(qs, answers, truths, engine, sources))
+    cfg = smoke_cfg(tmp_path / "run", sample_data, max_steps=2, eval_every=2, val_file=str(tmp_path / "val.parquet"),
+                    eval_limit=0)
+    fg.train(cfg)
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in lines if "eval_accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 2] and "reward_mean" not in evals[0] and "reward_mean" in evals[1]
+    assert evals[0]["eval_by_kind"] == {"arithmetic": 1.0, "lookup": 0.0, "compound": 0.0}
+    assert evals[0]["eval_accuracy"] == 0.5 and evals[0]["eval_n"] == 4
+    assert sum(evals[0]["eval_routes"]["arithmetic"].values()) == 2
+    capsys.readouterr()
+    assert fg.main(["--plot", "--output-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    held = out.index(next(line for line in out if "held-out" in line))
+    assert out[held].split() == ["step", "held-out", "arithmetic", "compound", "lookup"]
+    assert out[held + 1].split() == ["0", "0.50", "1.00", "0.00", "0.00"]
+
+
