@@ -1915,7 +1915,7 @@ DEEPMATH = [  # (gold, correct, wrong)
      [r"\begin{pmatrix}1&3\\2&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&5\end{pmatrix}"]),
     ("5!", ["120", "5!", r"1 \cdot 2 \cdot 3 \cdot 4 \cdot 5"], ["24", "5", "6!"]),
     (r"\binom{10}{3}", ["120", r"\binom{10}{3}", r"\binom{10}{7}"], [r"\binom{10}{4}", "720", "30"]),
-    ("6", ["6", "x = 6", "6.0"], ["5", "7", "-6", "3!"]),  # a plain-number gold wants the number, not 3!
+    ("6", ["6", "x = 6", "6.0", "3!"], ["5", "7", "-6", "3 + 3"]),  # a plain-number gold wants the number, or n!
     (r"\frac{3}{4}", [r"\frac34", "0.75", "3/4", r"\tfrac{3}{4}"], [r"\frac{4}{3}", "0.7", r"\frac{3}{5}"]),
     (r"\sqrt{2}", [r"\sqrt{2}", r"\sqrt 2", "2^{1/2}", r"\frac{2}{\sqrt{2}}"], ["2", r"\sqrt{3}", "1.41"]),
     (r"\frac{1}{3}", [r"\frac{1}{3}", "1/3", r"\frac{2}{6}"], ["0.33", "0.333", r"\frac{1}{4}", "3"]),
@@ -2098,14 +2098,18 @@ def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypa
     rows = [r for r in judge_table() if r[0] == "deepmath"][:60]
     threaded = threaded_map(lambda r: fg.rule_reward(r[1], r[2]), rows)
     assert threaded == [fg.rule_reward(r[1], r[2]) for r in rows] == [float(r[3]) for r in rows]
-    # sympy would compute 10^(10^10) for hours: the worker is killed after SYMPY_TIMEOUT_S, the answer is 0
+    # sympy would compute 10^(10^10) for hours: rule_reward never sends such a tower (nor a huge factorial), and
+    # a comparison that hangs all the same is killed after SYMPY_TIMEOUT_S, the answer is 0
     fg.rule_reward("<answer>x+1</answer>", "1+x")  # make sure a worker is running (under the real time limit)
     worker = fg._math_worker["proc"]
+    for out, gold in (("10^{10^{10}}", "10^{9}"), ("(10^{100})!", "\\infty"), ("\\binom{10^{9}}{10^{5}}", "1")):
+        verdict, seconds = timed(fg.rule_reward, f"<answer>{out}</answer>", gold)
+        assert verdict == 0.0 and seconds < 0.05 and worker.poll() is None
     monkeypatch.setattr(fg, "SYMPY_TIMEOUT_S", 1.0)  # (only for the hung comparisons: a loaded CPU is slow too)
-    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")
-    assert verdict == 0.0 and seconds < 10 and worker.poll() is not None
-    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")  # a fresh worker's first:
-    assert verdict == 0.0 and seconds < 10 and "proc" not in fg._math_worker  # only its imports may take longer
+    verdict, seconds = timed(fg.math_verify_equal, "10^{9}", "10^{10^{10}}")
+    assert verdict is False and seconds < 10 and worker.poll() is not None
+    verdict, seconds = timed(fg.math_verify_equal, "10^{9}", "10^{10^{10}}")  # a fresh worker's first:
+    assert verdict is False and seconds < 10 and "proc" not in fg._math_worker  # only its imports may take longer
     monkeypatch.undo()
     assert fg.rule_reward("<answer>(x+1)^2</answer>", "x^2+2x+1") == 1.0  # a fresh worker answers
 
