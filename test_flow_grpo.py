@@ -1873,6 +1873,60 @@ def test_rule_reward_table(answer, truth, expected):
     assert fg.rule_reward(answer, truth) == expected
 
 
+# A right answer in a sentence or another surface form scores; a hedge, a negation, a list, a longer name or
+# number, a question or a retraction does not. (A subset of a labelled set of 197 generator-shaped answers.)
+@pytest.mark.parametrize("answer,truth,source,expected", [
+    ("<answer>The largest planet in the Solar System is Jupiter.</answer>", "Jupiter", "nq", 1.0),
+    ("<answer>It was written primarily by Thomas Jefferson.</answer>", "Thomas Jefferson", "nq", 1.0),
+    ("<answer>Paris is the capital of France.</answer>", "Paris", "nq", 1.0),
+    ("<answer>Alexander Fleming discovered penicillin in 1928.</answer>", "Alexander Fleming", "nq", 1.0),
+    ("<answer>The first man on the Moon was Neil Armstrong, in 1969.</answer>", "Neil Armstrong", "nq", 1.0),
+    ("Based on the search results, the tallest building is the Burj Khalifa.", "Burj Khalifa", "nq", 1.0),
+    ("<answer>There are 206 bones in the adult human body.</answer>", "206", "nq", 1.0),
+    ("<answer>The war ended in 1945.</answer>", "1945", "nq", 1.0),
+    ("<answer>18 May 2018</answer>", "May 18, 2018", "nq", 1.0),
+    ("<answer>It was released on 2018-05-18.</answer>", "May 18, 2018", "nq", 1.0),
+    ("<answer>U.S.</answer>", "United States; USA", "nq", 1.0),
+    ("<answer>USA</answer>", "United States of America", "nq", 1.0),
+    ("<answer>$H_2O$</answer>", "H2O", "nq", 1.0),
+    ("<answer>H\u2082O</answer>", "H2O", "nq", 1.0),
+    ("<answer>3!</answer>", "6", "mathhard", 1.0),
+    ("<answer>0 \\le x \\le 1</answer>", "[0, 1]", "mathhard", 1.0),
+    ("<answer>$x \\in [0, 1]$</answer>", "[0, 1]", "mathhard", 1.0),
+    ("<answer>0 < x < 1</answer>", "(0, 1)", "mathhard", 1.0),
+    ("We compute the limit directly. The limit is 0.", "0", "mathhard", 1.0),
+    ("<answer>The probability is 1/6.</answer>", "\\dfrac{1}{6}", "mathhard", 1.0),
+    ("<answer>The value of the integral is $\\sqrt{2}$.</answer>", "\\sqrt{2}", "mathhard", 1.0),
+    ("<answer>Yes, the series converges.</answer>", "Yes", "mathhard", 1.0),
+    ("<answer>The capital is Paris, Texas.</answer>", "Paris", "nq", 0.0),
+    ("<answer>It is either Jupiter or Saturn.</answer>", "Jupiter", "nq", 0.0),
+    ("<answer>It is not Jupiter.</answer>", "Jupiter", "nq", 0.0),
+    ("<answer>Harper Lee didn\u2019t write it.</answer>", "Harper Lee", "nq", 0.0),
+    ("<answer>Jupiter Ascending is a film.</answer>", "Jupiter", "nq", 0.0),
+    ("<answer>George Washington University was founded in 1821.</answer>", "George Washington", "nq", 0.0),
+    ("<answer>The highest camp is at Mount Everest base camp.</answer>", "Mount Everest", "nq", 0.0),
+    ("<answer>It was written by Thomas Jefferson's secretary.</answer>", "Thomas Jefferson", "nq", 0.0),
+    ("<answer>The capital is Paris?</answer>", "Paris", "nq", 0.0),
+    ("The answer is Paris. Wait, no, it is Lyon.", "Paris", "nq", 0.0),
+    ("<answer>There are 2060 bones.</answer>", "206", "nq", 0.0),
+    ("<answer>The population is 1,945,000.</answer>", "1945", "nq", 0.0),
+    ("<answer>May 18, 2017</answer>", "May 18, 2018", "nq", 0.0),
+    ("<answer>May 2018</answer>", "May 18, 2018", "nq", 0.0),
+    ("<answer>United States Army</answer>", "United States; USA", "nq", 0.0),
+    ("<answer>The answer is 3 or 4.</answer>", "3", "mathhard", 0.0),
+    ("<answer>The answer is 2 at most.</answer>", "2", "mathhard", 0.0),
+    ("<answer>The determinant is 3 and the trace is -3.</answer>", "-3", "mathhard", 0.0),
+    ("<answer>The limit is not 0.</answer>", "0", "mathhard", 0.0),
+    ("<answer>4!</answer>", "6", "mathhard", 0.0),
+    ("<answer>0 \\le x < 1</answer>", "[0, 1]", "mathhard", 0.0),
+    ("<answer>0 < x < 1</answer>", "[0, 1]", "mathhard", 0.0),
+])
+def test_rule_reward_reads_sentence_answers(answer, truth, source, expected):
+    fg.math_verify_equal("1", "1")  # the worker's start (imports) is not the judge's time
+    verdict, seconds = timed(fg.rule_reward, answer, truth, fg.ALIASES_BY_SOURCE[source])
+    assert verdict == expected and seconds < 1.0
+
+
 def test_the_source_says_whether_semicolons_join_aliases():
     # NQ's lists of numbers ('1945; 1946') hold alternatives, though no word in them says so; a math answer never does
     answers, truths = ["<answer>1945</answer>", "<answer>2718</answer>", "<answer>3</answer>"], ["1945; 1946",
