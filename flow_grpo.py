@@ -1668,7 +1668,7 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
 def as_interval(text: str) -> str:
     """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
     text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", text)
-    parts = re.split(r"\s*(<|\\leq?(?![a-zA-Z])|\\leqslant)\s*", text)  # a chain of two: a, <, x, \le, b
+    parts = [p.strip() for p in re.split(r"(<|\\leq?(?![a-zA-Z])|\\leqslant)", text)]  # a chain: a, <, x, \le, b
     if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
         return f"{'(['[parts[1] != '<']}{parts[0]}, {parts[4]}{')]'[parts[3] != '<']}"
     return text
@@ -1679,9 +1679,9 @@ def claimed(pred: str, gold: str) -> bool:
     first and before one of VERBS: 'The largest planet is Jupiter.' Not when HEDGES finds a word outside it ('not',
     'or', 'and', 'at most'; for a number, another number), nor when the next word makes a longer name ('Paris,
     Texas', 'Jupiter Ascending', 'Everest base camp', "Jefferson's"); a number may take a unit ('206 bones')."""
-    if pred.endswith("?"):  # a question claims nothing
+    words = re.split(r"(?<=[a-z0-9)\]}][.!?])\s+", pred)[-1].split()  # '. ' ends it, 'F. Scott' does not
+    if pred.endswith("?") or len(words) > 40:  # a question claims nothing; a long sentence is for the LLM judge
         return False
-    words = re.split(r"(?<=[a-z0-9)\]}][.!?])\s+", pred)[-1].split()[:40]  # '. ' ends it, 'F. Scott' does not
     core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
     n, number = len(words), to_number(gold) is not None
     for i, j in ((i, j) for i in range(n) for j in range(i + 1, min(n, i + len(gold.split()) + 1) + 1)):
