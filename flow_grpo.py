@@ -1496,9 +1496,11 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
 # =====================================================================================================
 # 9. Judge reward
 # =====================================================================================================
-# The rule judge: OUR extraction of the final answer, then exact numbers, then SQuAD-normalised text, then
-# Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order). Only the last
-# ANSWER_TAIL characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
+# The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, then
+# Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order), then a claim in a
+# short sentence ('The largest planet is Jupiter.'). What needs the question (is 'The second largest planet is
+# Jupiter' an answer?) or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL
+# characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
 ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
 # One spelling for what is written several ways (− ∞ π √ ≤ ≥, subscript digits); $ only delimits math
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
@@ -1656,7 +1658,7 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
                or re.search(r"\\(?:lor|vee|land|wedge|neg|not|operatorname)(?![a-zA-Z])", s) for s in (pred, gold)]
     sets = {t.startswith("\\{") for t in map(strip_latex, (pred, gold)) if t[:1] in "([\\"}  # {1, 2} read as (1, 2)
     capitals = [sorted(re.findall("[A-Z]", s)) for s in (pred, gold)]  # it reads \Sigma as \sigma
-    huge = [re.search(r"\^\{?\w*\^", s)  # a tower of powers; a factorial, binomial or product of a 5-digit number
+    huge = [re.search(r"\^\{?\w*\^", s)  # a tower of powers; n!, a binomial or a product of 5 digits or a power
             or re.search(r"!|\\binom|\\prod", s) and re.search(r"\d{5}|\d\s*\^\s*\{?\s*\d", s) for s in (pred, gold)]
     if not pred or not verify or any(misread) or any(huge) or len(sets) > 1 or capitals[0] != capitals[1]:
         return False
