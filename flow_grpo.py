@@ -1546,12 +1546,24 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
 # =====================================================================================================
 # 9. Judge reward
 # =====================================================================================================
-# The rule judge: OUR extraction of the final answer, then exact numbers, then SQuAD-normalised text, then
-# Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order). Only the last
-# ANSWER_TAIL characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
+# The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, then
+# Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order), then a claim in a
+# short sentence ('The largest planet is Jupiter.'). What needs the question (is 'The second largest planet is
+# Jupiter' an answer?) or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL
+# characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
 ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
-# One spelling for what is written several ways (− ∞ π √); $ only delimits math
-SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None})
+# One spelling for what is written several ways (− ∞ π √ ≤ ≥, subscript digits); $ only delimits math
+SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
+                           "\u2264": "\\le ", "\u2265": "\\ge ", **{chr(0x2080 + i): str(i) for i in range(10)}})
+MONTHS = "january february march april may june july august september october november december".split()
+# The words around a claim in a sentence (claimed): LINKS before it, VERBS or FOLLOWERS after it, no HEDGES
+LINKS = {"is", "are", "was", "were", "be", "by", "in", "on", "at", "to", "as", "about", "equals", "has", "have", "had"}
+VERBS = {"is", "are", "was", "were", "has", "had", "have", "equals", "became", "won", "wrote", "discovered",
+         "invented", "founded", "painted", "composed"}
+FOLLOWERS = {"in", "on", "at", "from", "during", "for", "with", "who", "which", "that", "since"}
+HEDGES = re.compile(r"\b(?:or|nor|either|neither|not|no|never|and|but|than|between|except|if|when|unless|up to|"
+                    r"at (?:least|most)|may|might|could|maybe|perhaps|possibly|probably|likely|seems|guess|unsure|"
+                    r"unknown|wait|instead|rather|approximately|nearly|almost)\b|n't\b")
 
 
 def last_boxed(text: str) -> Optional[str]:
@@ -1577,7 +1589,8 @@ def extract_answer(text: str) -> str:
         return boxed.strip()
     said = [m.end() for m in re.finditer(r"answer(?:\*\*)?(?: to [^.:\n]{1,60}?)?\s*(?:is\b|:)", inner, re.I)]
     if said:  # "The answer is 144. Because ..." -> "144"; also "The answer to the question is 144."
-        inner = re.split(r"\.\s+(?=[A-Z])", inner[said[-1]:].lstrip(" \t\n*:").split("\n")[0])[0]
+        inner = inner[said[-1]:].lstrip(" \t\n*:").split("\n")[0]  # taken back ('Wait, no, ...'): the whole line
+        inner = inner if re.search(r"\b(?:wait|actually)\b", inner, re.I) else re.split(r"\.\s+(?=[A-Z])", inner)[0]
     elif not opened:
         inner = inner.strip().rsplit("\n", 1)[-1]
     return inner.strip(" \t\n*:").rstrip(".* ")
@@ -1597,7 +1610,7 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     '5 cm^2', '60 Hz' are their number ('7 Million', '7 M', '50 Cent', '2 pi', '144 minus twelve' are not)."""
     if words_after:
         words = r"(?!(?i:hundred|thousand|million|billion|trillion|dozen|bn|pi|and|or|plus|minus|times|over|divided"
-        words += r"|squared|cubed|factorial|mod|if|sin|cos|tan|log|ln|sqrt|root)s?\b)[a-z]{2}[a-zA-Z\s./]*"
+        words += r"|squared|cubed|factorial|mod|if|sin|cos|tan|log|ln|sqrt|root|at|to|up|not)s?\b)[a-z]{2}[a-zA-Z\s./]*"
         symbol = r"(?![KMBT]n?\b)(?=[a-z]?[A-Z])[a-zA-Z]{1,3}"  # kW, mL, V, USD; not K, M, B, T (multipliers)
         m = re.fullmatch(r"(\S+)\s+(?:" + words + "|" + symbol + r")(\^\{?\d\}?)?", text)
         text = m.group(1) if m else ""
@@ -1616,6 +1629,19 @@ def normalize_text(text: str) -> str:
     A minus sign stays, as a word ('-89.2 °C' is not '89.2 °C'); thousands commas go ('1,454' is '1454')."""
     t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.lower()))
     return " ".join(w for w in re.sub(r"[^\w\s]", " ", t).split() if w not in {"a", "an", "the"})
+
+
+def to_date(text: str) -> Optional[tuple]:
+    """'May 18, 2018', '18th of May 2018', '2018-05-18' as (2018, 5, 18); None for anything else ('May 2018')."""
+    if re.fullmatch(r"\d{4}-\d\d-\d\d", text):
+        return tuple(map(int, text.split("-")))
+    parts = [p for p in re.findall(r"[a-z]+|\d+", text.lower()[:40]) if p not in ("st", "nd", "rd", "th", "of")]
+    months = [i + 1 for p in parts for i, m in enumerate(MONTHS) if len(p) > 2 and m.startswith(p)]
+    numbers = sorted(int(p) for p in parts if p.isdigit())
+    if len(text) < 40 and len(parts) == 3 and len(months) == 1 and len(numbers) == 2 \
+            and numbers[0] <= 31 < 1000 <= numbers[1]:
+        return numbers[1], months[0], numbers[0]
+    return None
 
 
 # math-verify runs in a `python -c` worker process, killed after SYMPY_TIMEOUT_S: sympy has no time bound
@@ -1656,10 +1682,17 @@ def math_verify_equal(gold: str, pred: str) -> bool:
         return reply.strip() == "1"
 
 
-def answers_match(pred: str, gold: str) -> bool:
-    """Numbers exactly (1/3 is not 0.33); text SQuAD-normalised when both sides are words without math
-    operators ('Paris, Texas', 'Catch-22'); math as LaTeX strings, or by math-verify except where it misreads:
-    '1 2' (as 3), unbalanced braces, words, a set vs a tuple, case."""
+def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
+    """Numbers exactly (1/3 is not 0.33); dates as (y, m, d); an acronym by its initials ('U.S.'); text
+    SQuAD-normalised when both sides are words without math operators ('Paris, Texas', 'Catch-22'); math as LaTeX
+    strings, or by math-verify (if verify) except where it misreads ('1 2' as 3, unbalanced braces, words, a set vs
+    a tuple, case) or would build a huge number, which sympy does for hours: 10^{10^{10}}, (10^{100})!."""
+    if (date := to_date(gold)) is not None:
+        return to_date(pred) == date
+    if re.fullmatch(r"(?:[A-Z]\.?){2,5}", pred) and re.fullmatch(r"[A-Z][a-z]+( ([a-z]{2,3} )?[A-Z][a-z]+)+", gold):
+        return pred.replace(".", "") == "".join(re.findall("[A-Z]", gold))  # one way: 'United States Army' isn't 'USA'
+    if m := re.fullmatch(r"(\d{1,2})!", pred):  # '3!' is 6 (a small factorial, unlike a sum, is a value one writes)
+        pred = str(math.factorial(int(m[1])))
     p, g = to_number(pred), to_number(gold)
     if (p is None) != (g is None):  # one side is a bare number: the other may have a unit or noun after it
         p, g = (to_number(pred, True) if p is None else p), (to_number(gold, True) if g is None else g)
@@ -1675,11 +1708,48 @@ def answers_match(pred: str, gold: str) -> bool:
                or re.search(r"\\(?:lor|vee|land|wedge|neg|not|operatorname)(?![a-zA-Z])", s) for s in (pred, gold)]
     sets = {t.startswith("\\{") for t in map(strip_latex, (pred, gold)) if t[:1] in "([\\"}  # {1, 2} read as (1, 2)
     capitals = [sorted(re.findall("[A-Z]", s)) for s in (pred, gold)]  # it reads \Sigma as \sigma
-    if not pred or any(misread) or len(sets) > 1 or capitals[0] != capitals[1]:
+    huge = [re.search(r"\^\{?\w*\^", s)  # a tower of powers; n!, a binomial or a product of 5 digits or a power
+            or re.search(r"!|\\binom|\\prod", s) and re.search(r"\d{5}|\d\s*\^\s*\{?\s*\d", s) for s in (pred, gold)]
+    if not pred or not verify or any(misread) or any(huge) or len(sets) > 1 or capitals[0] != capitals[1]:
         return False
     if g is not None and re.search(r"\d\s*(?:[-+*/]|\\times(?!\s*10\^)|\\cdot|\\div)|!", pred):
         return False  # a plain-number gold wants the number: '9379 + 2894' only restates the question
     return math_verify_equal(gold, pred)
+
+
+def as_interval(text: str) -> str:
+    """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
+    text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", text)
+    parts = [p.strip() for p in re.split(r"(<|\\leq?(?![a-zA-Z])|\\leqslant)", text)]  # a chain: a, <, x, \le, b
+    if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
+        return f"{'(['[parts[1] != '<']}{parts[0]}, {parts[4]}{')]'[parts[3] != '<']}"
+    return text
+
+
+def claimed(pred: str, gold: str) -> bool:
+    """The last sentence of pred states gold (answers_match without math-verify) right after one of LINKS, or
+    first and before one of VERBS: 'The largest planet is Jupiter.' Not when HEDGES finds a word outside it ('not',
+    'or', 'and', 'at most'; for a number, another number), nor when the next word makes a longer name ('Paris,
+    Texas', 'Jupiter Ascending', 'Everest base camp', "Jefferson's"); a number may take a unit ('206 bones')."""
+    words = re.split(r"(?<=[a-z0-9)\]}][.!?])\s+", pred)[-1].split()  # '. ' ends it, 'F. Scott' does not
+    if pred.endswith("?") or len(words) > 40:  # a question claims nothing; a long sentence is for the LLM judge
+        return False
+    core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
+    n, number = len(words), to_number(gold) is not None
+    for i, j in ((i, j) for i in range(n) for j in range(i + 1, min(n, i + len(gold.split()) + 1) + 1)):
+        outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
+        if i and core[i - 1] not in LINKS or HEDGES.search(outside) or number and re.search(r"\d", outside):
+            continue
+        last, after = words[j - 1], core[j]
+        if not i:  # first: a verb follows ('Jupiter is ...'), or a comma after yes/no ('Yes, it converges')
+            fits = after in VERBS or last[-1] == "," and core[0] in ("yes", "no")
+        else:  # after a link: the sentence ends, a clause or a preposition follows, or a unit after a number
+            fits = not after or last[-1] in ",;:" and words[j][:1].islower() or after in FOLLOWERS or (
+                number and to_number("1 " + after, True) is not None)  # 'bones', not 'thousand'
+        claim = " ".join(words[i:j]).rstrip(".,;:!?")
+        if fits and not last.endswith(("'", "'s")) and answers_match(claim, gold, verify=False):
+            return True
+    return False
 
 
 def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) -> float:
@@ -1692,9 +1762,10 @@ def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) 
         aliases = any(re.search(r"(?<![\\a-zA-Z])[a-zA-Z]{2}", p) for p in parts) and all(
             p.count(a) == p.count(b) for p in parts for a, b in ("()", "[]", "{}"))
     golds = [truth, *(p for p in parts if aliases and len(parts) > 1 and "=" not in p)]
-    pred, *golds = [re.sub(r"\\(?:text|mathrm|textbf|mbox|hbox)\{([^{}]*)\}", r"\1",
-                           s.replace("\\$", "").translate(SPELLINGS)).strip() for s in [extract_answer(answer), *golds]]
-    return float(any(answers_match(pred, g) for g in golds if g))
+    pred, *golds = [as_interval(re.sub(r"\\(?:text|mathrm|textbf|mbox|hbox)\{([^{}]*)\}", r"\1", re.sub(
+        r"(?<=[A-Z])_\{?(\d+)\}?", r"\1", s.replace("\\$", "").translate(SPELLINGS))).strip())  # H_2O is H2O
+        for s in [extract_answer(answer), *golds]]
+    return float(any(answers_match(pred, g) or claimed(pred, g) for g in golds if g))
 
 
 def judge_prompt(question: str, answer: str, ground_truth: str, aliases: Optional[bool] = None) -> str:

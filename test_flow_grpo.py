@@ -1874,6 +1874,60 @@ def test_rule_reward_table(answer, truth, expected):
     assert fg.rule_reward(answer, truth) == expected
 
 
+# A right answer in a sentence or another surface form scores; a hedge, a negation, a list, a longer name or
+# number, a question or a retraction does not. (A subset of a labelled set of 197 generator-shaped answers.)
+@pytest.mark.parametrize("answer,truth,source,expected", [
+    ("<answer>The largest planet in the Solar System is Jupiter.</answer>", "Jupiter", "nq", 1.0),
+    ("<answer>It was written primarily by Thomas Jefferson.</answer>", "Thomas Jefferson", "nq", 1.0),
+    ("<answer>Paris is the capital of France.</answer>", "Paris", "nq", 1.0),
+    ("<answer>Alexander Fleming discovered penicillin in 1928.</answer>", "Alexander Fleming", "nq", 1.0),
+    ("<answer>The first man on the Moon was Neil Armstrong, in 1969.</answer>", "Neil Armstrong", "nq", 1.0),
+    ("Based on the search results, the tallest building is the Burj Khalifa.", "Burj Khalifa", "nq", 1.0),
+    ("<answer>There are 206 bones in the adult human body.</answer>", "206", "nq", 1.0),
+    ("<answer>The war ended in 1945.</answer>", "1945", "nq", 1.0),
+    ("<answer>18 May 2018</answer>", "May 18, 2018", "nq", 1.0),
+    ("<answer>It was released on 2018-05-18.</answer>", "May 18, 2018", "nq", 1.0),
+    ("<answer>U.S.</answer>", "United States; USA", "nq", 1.0),
+    ("<answer>USA</answer>", "United States of America", "nq", 1.0),
+    ("<answer>$H_2O$</answer>", "H2O", "nq", 1.0),
+    ("<answer>H\u2082O</answer>", "H2O", "nq", 1.0),
+    ("<answer>3!</answer>", "6", "mathhard", 1.0),
+    ("<answer>0 \\le x \\le 1</answer>", "[0, 1]", "mathhard", 1.0),
+    ("<answer>$x \\in [0, 1]$</answer>", "[0, 1]", "mathhard", 1.0),
+    ("<answer>0 < x < 1</answer>", "(0, 1)", "mathhard", 1.0),
+    ("We compute the limit directly. The limit is 0.", "0", "mathhard", 1.0),
+    ("<answer>The probability is 1/6.</answer>", "\\dfrac{1}{6}", "mathhard", 1.0),
+    ("<answer>The value of the integral is $\\sqrt{2}$.</answer>", "\\sqrt{2}", "mathhard", 1.0),
+    ("<answer>Yes, the series converges.</answer>", "Yes", "mathhard", 1.0),
+    ("<answer>The capital is Paris, Texas.</answer>", "Paris", "nq", 0.0),
+    ("<answer>It is either Jupiter or Saturn.</answer>", "Jupiter", "nq", 0.0),
+    ("<answer>It is not Jupiter.</answer>", "Jupiter", "nq", 0.0),
+    ("<answer>Harper Lee didn\u2019t write it.</answer>", "Harper Lee", "nq", 0.0),
+    ("<answer>Jupiter Ascending is a film.</answer>", "Jupiter", "nq", 0.0),
+    ("<answer>George Washington University was founded in 1821.</answer>", "George Washington", "nq", 0.0),
+    ("<answer>The highest camp is at Mount Everest base camp.</answer>", "Mount Everest", "nq", 0.0),
+    ("<answer>It was written by Thomas Jefferson's secretary.</answer>", "Thomas Jefferson", "nq", 0.0),
+    ("<answer>The capital is Paris?</answer>", "Paris", "nq", 0.0),
+    ("The answer is Paris. Wait, no, it is Lyon.", "Paris", "nq", 0.0),
+    ("<answer>There are 2060 bones.</answer>", "206", "nq", 0.0),
+    ("<answer>The population is 1,945,000.</answer>", "1945", "nq", 0.0),
+    ("<answer>May 18, 2017</answer>", "May 18, 2018", "nq", 0.0),
+    ("<answer>May 2018</answer>", "May 18, 2018", "nq", 0.0),
+    ("<answer>United States Army</answer>", "United States; USA", "nq", 0.0),
+    ("<answer>The answer is 3 or 4.</answer>", "3", "mathhard", 0.0),
+    ("<answer>The answer is 2 at most.</answer>", "2", "mathhard", 0.0),
+    ("<answer>The determinant is 3 and the trace is -3.</answer>", "-3", "mathhard", 0.0),
+    ("<answer>The limit is not 0.</answer>", "0", "mathhard", 0.0),
+    ("<answer>4!</answer>", "6", "mathhard", 0.0),
+    ("<answer>0 \\le x < 1</answer>", "[0, 1]", "mathhard", 0.0),
+    ("<answer>0 < x < 1</answer>", "[0, 1]", "mathhard", 0.0),
+])
+def test_rule_reward_reads_sentence_answers(answer, truth, source, expected):
+    fg.math_verify_equal("1", "1")  # the worker's start (imports) is not the judge's time
+    verdict, seconds = timed(fg.rule_reward, answer, truth, fg.ALIASES_BY_SOURCE[source])
+    assert verdict == expected and seconds < 1.0
+
+
 def test_the_source_says_whether_semicolons_join_aliases():
     # NQ's lists of numbers ('1945; 1946') hold alternatives, though no word in them says so; a math answer never does
     answers, truths = ["<answer>1945</answer>", "<answer>2718</answer>", "<answer>3</answer>"], ["1945; 1946",
@@ -1916,7 +1970,7 @@ DEEPMATH = [  # (gold, correct, wrong)
      [r"\begin{pmatrix}1&3\\2&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&5\end{pmatrix}"]),
     ("5!", ["120", "5!", r"1 \cdot 2 \cdot 3 \cdot 4 \cdot 5"], ["24", "5", "6!"]),
     (r"\binom{10}{3}", ["120", r"\binom{10}{3}", r"\binom{10}{7}"], [r"\binom{10}{4}", "720", "30"]),
-    ("6", ["6", "x = 6", "6.0"], ["5", "7", "-6", "3!"]),  # a plain-number gold wants the number, not 3!
+    ("6", ["6", "x = 6", "6.0", "3!"], ["5", "7", "-6", "3 + 3"]),  # a plain-number gold wants the number, or n!
     (r"\frac{3}{4}", [r"\frac34", "0.75", "3/4", r"\tfrac{3}{4}"], [r"\frac{4}{3}", "0.7", r"\frac{3}{5}"]),
     (r"\sqrt{2}", [r"\sqrt{2}", r"\sqrt 2", "2^{1/2}", r"\frac{2}{\sqrt{2}}"], ["2", r"\sqrt{3}", "1.41"]),
     (r"\frac{1}{3}", [r"\frac{1}{3}", "1/3", r"\frac{2}{6}"], ["0.33", "0.333", r"\frac{1}{4}", "3"]),
@@ -2085,7 +2139,9 @@ def test_rule_reward_is_fast_on_adversarial_megabyte_outputs(monkeypatch):
              ("", "the answer is ", "", "1"), ("", "9", "!", "1"), ("", "- ", "", "1"), ("", "1 ", "", "1"),
              ("<answer>", "x", "", "x"), ("", "\\text{", "", "1"), ("", "1\\,", "", "1"), ("", "1,", "", "1"),
              ("", "-", "5", "5"), ("", "{", "", "1"), ("", "(", "", "(1, 2)"), ("", "1.", "", "1"), ("", "\n", "", "1"),
-             ("", "a-", "", "a"), ("", "\t\n", "7", "7"), ("", "x^", "2", "x^2"), ("", "\\left(", "1", "1")]
+             ("", "a-", "", "a"), ("", "\t\n", "7", "7"), ("", "x^", "2", "x^2"), ("", "\\left(", "1", "1"),
+             ("", "0 < ", "", "[0, 1]"), ("", "The capital is ", "", "Paris"), ("", "May ", "", "May 18, 2018"),
+             ("", "\n", "x" + " " * 4000 + "y", "(0, 1)")]
     for size in (1 << 16, 1 << 20):
         for start, unit, end, gold in cases:
             out = start + unit * (size // len(unit)) + end
@@ -2099,14 +2155,18 @@ def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypa
     rows = [r for r in judge_table() if r[0] == "deepmath"][:60]
     threaded = threaded_map(lambda r: fg.rule_reward(r[1], r[2]), rows)
     assert threaded == [fg.rule_reward(r[1], r[2]) for r in rows] == [float(r[3]) for r in rows]
-    # sympy would compute 10^(10^10) for hours: the worker is killed after SYMPY_TIMEOUT_S, the answer is 0
+    # sympy would compute 10^(10^10) for hours: rule_reward never sends such a tower (nor a huge factorial), and
+    # a comparison that hangs all the same is killed after SYMPY_TIMEOUT_S, the answer is 0
     fg.rule_reward("<answer>x+1</answer>", "1+x")  # make sure a worker is running (under the real time limit)
     worker = fg._math_worker["proc"]
+    for out, gold in (("10^{10^{10}}", "10^{9}"), ("(10^{100})!", "\\infty"), ("\\binom{10^{9}}{10^{5}}", "1")):
+        verdict, seconds = timed(fg.rule_reward, f"<answer>{out}</answer>", gold)
+        assert verdict == 0.0 and seconds < 0.05 and worker.poll() is None
     monkeypatch.setattr(fg, "SYMPY_TIMEOUT_S", 1.0)  # (only for the hung comparisons: a loaded CPU is slow too)
-    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")
-    assert verdict == 0.0 and seconds < 10 and worker.poll() is not None
-    verdict, seconds = timed(fg.rule_reward, "<answer>10^{10^{10}}</answer>", "10^{9}")  # a fresh worker's first:
-    assert verdict == 0.0 and seconds < 10 and "proc" not in fg._math_worker  # only its imports may take longer
+    verdict, seconds = timed(fg.math_verify_equal, "10^{9}", "10^{10^{10}}")
+    assert verdict is False and seconds < 10 and worker.poll() is not None
+    verdict, seconds = timed(fg.math_verify_equal, "10^{9}", "10^{10^{10}}")  # a fresh worker's first:
+    assert verdict is False and seconds < 10 and "proc" not in fg._math_worker  # only its imports may take longer
     monkeypatch.undo()
     assert fg.rule_reward("<answer>(x+1)^2</answer>", "x^2+2x+1") == 1.0  # a fresh worker answers
 
