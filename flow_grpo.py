@@ -158,6 +158,7 @@ class Config:
     tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
                      "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
     max_turns: int = arg(5, "planner turns per trajectory at most")
+    verify: bool = arg(True, "ask the frozen verifier after each turn whether to stop (--no-verify: always max_turns)")
     max_new_tokens: int = arg(256, "longest planner action, in tokens")
     fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
     memory_chars: int = arg(2000, "every string in a tool result is cut to this many characters in memory")
@@ -210,7 +211,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                batch_size=2, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2,
+                verify=False, batch_size=2, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2,
                 kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
                 tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu"),
 }
@@ -675,6 +676,17 @@ class Memory:
         steps = {f"Step {i + 1}": s for i, s in enumerate(self.steps)}
         return json.dumps(steps, indent=1, ensure_ascii=False) if steps else "(no steps yet)"
 
+    def findings(self, max_chars: int = 500) -> str:
+        """What earlier steps found, as plain sentences (page summaries, program outputs, answers): the notes a
+        tool that reads the memory gets (Tool.reads_memory)."""
+        texts = []
+        for step in self.steps:
+            r = step["result"]
+            found = [p.get("summary", "") for p in r.get("pages", [])] + [r.get("stdout", "")] \
+                if isinstance(r, dict) else [r]
+            texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
+        return " ".join(texts)[-max_chars:]
+
 
 # =====================================================================================================
 # 6. Tools
@@ -940,6 +952,7 @@ class Tool:
     name = description = limitations = tips = ""
     input_model: type[BaseModel] = BaseModel
     timeout_s: float = 10.0  # wall clock of what runs outside the LLM: sandbox, network
+    reads_memory = False  # True: run(args, findings) also gets what earlier steps found (Memory.findings)
     max_tokens: Optional[int] = None  # of its LLM replies (None: the engine's limit)
 
     def __init__(self, engine: Engine, **options: Any):
@@ -959,7 +972,7 @@ class Tool:
     def run(self, args: BaseModel) -> Any:
         raise NotImplementedError
 
-    def __call__(self, raw_args: dict) -> Any:
+    def __call__(self, raw_args: dict, findings: str = "") -> Any:
         """Validate the executor's JSON arguments, then run. The ValueError for bad arguments names the fields
         ("query: Field required; url: Input should be a valid string"): the error the planner sees teaches it."""
         if not isinstance(raw_args, dict):
@@ -969,7 +982,7 @@ class Tool:
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(arguments)'}: {x['msg']}" for x in e.errors())
             raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
-        return self.run(args)
+        return self.run(args, findings) if self.reads_memory else self.run(args)
 
 
 def tool_input(name: str, **fields: str) -> type[BaseModel]:
@@ -982,10 +995,11 @@ def tool_input(name: str, **fields: str) -> type[BaseModel]:
 @functools.cache
 def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
     """The executor's answer for one tool: tool_name fixed, arguments = its own input model. Decoded under it, a call
-    can neither name another tool nor invent or nest arguments (with a free-form dict a small model does both)."""
+    can neither name another tool nor invent or nest arguments (with a free-form dict a small model does both).
+    The arguments come first: written right after the forced tool name, a small model copies that name into them."""
     return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
-                        tool_name=(Literal[name], Field(description=f'exactly "{name}"')),
-                        arguments=(input_model, Field(description="a JSON object of the tool's Input fields")))
+                        arguments=(input_model, Field(description="a JSON object of the tool's Input fields")),
+                        tool_name=(Literal[name], Field(description=f'exactly "{name}"')))
 
 
 class RAGTool(Tool):
@@ -1041,13 +1055,15 @@ class PythonCoderTool(Tool):
     tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
             "with every number it needs.")
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
+    reads_memory = True  # a task on a number found earlier ("the population of X, plus 250") needs that number
     # Fenced blocks paired in order: ``` at the start of a line (indented or not) opens one, the next one closes it
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
-    def run(self, args: Any) -> dict:
+    def run(self, args: Any, findings: str = "") -> dict:
         # Short on purpose: a small model follows one plain sentence better than a list of rules ("compute {query}"
         # made it name a function after the query: def compute_13*65()). The sandbox keeps the code harmless.
-        prompt = (f"Write a Python program that prints the result of: {args.query}\n"
+        prompt = ((f"Facts found so far: {findings}\n" if findings else "") +
+                  f"Write a Python program that prints the result of: {args.query}\n"
                   "Reply with the program in one ```python block.")
         reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
         blocks = [(lang.lower(), textwrap.dedent(code)) for lang, code in self.FENCED.findall(reply)]
@@ -1343,7 +1359,7 @@ def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict,
     return calls
 
 
-def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict]) -> tuple[Optional[dict], Any]:
+def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory: Memory) -> tuple[Optional[dict], Any]:
     """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
     if plan is None:
         return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
@@ -1353,15 +1369,16 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict]) -> tup
         return None, {"error": "the tool call did not fit the tool's input schema"}
     command = {"tool_name": plan.tool_name, "arguments": args}
     try:
-        return command, tools[plan.tool_name](args)  # __call__ validates against the input schema
+        return command, tools[plan.tool_name](args, memory.findings())  # __call__ validates the arguments
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
 def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
-                max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8,
+                max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 timings: Optional[dict] = None) -> list[AgentState]:
-    """Run the agent on every question, all trajectories in lockstep. Returns the finished states."""
+    """Run the agent on every question, all trajectories in lockstep. Returns the finished states. verify=False:
+    no verifier, every trajectory takes max_turns turns."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
         analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
@@ -1383,7 +1400,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         calls = write_calls(live, plans, fixed, tools, timings)
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
         with timed(timings, "tools"):
-            ran = run_in_threads(lambda pc: run_step(tools, *pc), list(zip(plans, calls)), slots,
+            ran = run_in_threads(lambda pcm: run_step(tools, *pcm), [(p, c, st.memory) for p, c, st in zip(plans, calls, live)], slots,
                                  fixed.phase_timeout_s, "tool calls")
         ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
                      {"error": f"no result within {fixed.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
@@ -1395,8 +1412,8 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
             st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
             st.stats["tool_error"] += command is not None and isinstance(result, dict) and bool(result.get("error"))
         # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
-        if turn == max_turns:  # not after the last turn: the loop ends anyway, a verdict would change nothing
-            break
+        if turn == max_turns or not verify:  # (after the last turn a verdict would change nothing)
+            continue
         with timed(timings, "fixed"):
             verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
                                       schema=Verification)
@@ -1539,7 +1556,7 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
 
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
-                       tools=tools, max_turns=cfg.max_turns, memory_chars=cfg.memory_chars,
+                       tools=tools, max_turns=cfg.max_turns, verify=cfg.verify, memory_chars=cfg.memory_chars,
                        tool_workers=cfg.tool_workers, timings=timings)
 
 
@@ -2461,7 +2478,7 @@ def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[E
     rewards, c, by_kind, routes = [], Counter(), {}, {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
         questions = [r["question"] for r in chunk]
-        states = solve_batch(questions, planner=planner, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
+        states = solve_batch(questions, planner=planner, fixed=fixed, tools=tools, max_turns=cfg.max_turns, verify=cfg.verify,
                              memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
         got = judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge,
                             [r.get("source") for r in chunk])[0]
@@ -2606,7 +2623,7 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     fixed, tools, _, planner = build_agent(cfg, device)
-    st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns,
+    st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns, verify=cfg.verify,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
     print(format_trajectory(st), f"ANSWER: {extract_answer(st.final_output)}", sep="\n")
 

@@ -582,7 +582,7 @@ ARITHMETIC_TEMPLATES = (  # (question template, operation, range of a, range of 
 # (fact, the corpus sentence, the question, range of the value)
 FACTS = (
     ("population", "{name} has a population of {v}.", "What is the population of {name}", (1000, 9999)),
-    ("founded", "{name} was founded in the year {v}.", "In what year was {name} founded", (1100, 1899)),
+    ("founded", "{name} was founded in the year {v}.", "What is the founding year of {name}", (1100, 1899)),
     ("bridges", "{name} has {v} bridges.", "How many bridges does {name} have", (11, 99)),
 )
 SYLLABLES = ("vor", "lund", "kes", "sim", "ar", "tav", "rin", "mol", "dra", "zen", "bri", "os", "fal", "gor", "quil",
