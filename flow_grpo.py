@@ -695,14 +695,12 @@ class Memory:
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
 #   output in memfds      | FIFO or path games with our copy of the output    | we read descriptors, not paths
 #   PID namespace         | /proc/<trainer>/environ and mem, signals to us    | unshare --pid --mount-proc
-#   init closed to it     | ptrace of init (setsid: out of the killed group), | PR_SET_DUMPABLE 0 in init; its
-#                         | a forged status through /proc/1/fd                | parent-death signal set after setuid
+#   init closed to it     | ptrace of init (leave the group); forged status   | PR_SET_DUMPABLE 0 in init
 #   no privileges         | undoing the namespaces (umount /proc), setuid     | setpriv: uid 65534 / user ns
 #   mount namespace       | reading our files, writing outside its own tmpfs  | new root, the system read-only
 #   network namespace     | every network, 127.0.0.1 included                 | unshare --net (lo stays down)
 #   cgroup (root only)    | children that together exhaust memory or PIDs     | memory + pids limits per run
-#   jail shell as guard   | a run, its cgroups or directory outliving the     | at SIGTERM (deadline, or our
-#                         | deadline or our death (even SIGKILL)              | death) kills by cgroup, cleans
+#   a guard, death signal | tasks, cgroups, dir outliving deadline or trainer | the jail's sh at SIGTERM; pdeathsig
 #   seccomp (libseccomp)  | keyrings (ours, other runs'), ptrace, io_uring    | EPERM filter; new session keyring
 
 SANDBOX_MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: caps files AND stdout/stderr (they are files)
@@ -712,9 +710,8 @@ _SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.b
 _SANDBOX: Optional[tuple[bool, bool, bool]] = None  # probed once: namespaces? cgroups? (seccomp?)
 _SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run while the probe runs
 # As root of the new mount namespace: make a tmpfs root of the dirs up to "--" (r/o), start the rest in the cgroups
-# ($1), and stay as the run's guard: at SIGTERM (our deadline, or our death: its parent-death signal) kill every task
-# in them, then remove them and the run's directory. The tmpfs covers that directory, not /tmp: a Python installed
-# under /tmp must stay visible.
+# ($1), stay as its guard: at SIGTERM (the deadline, or our death: its parent-death signal) kill every task there,
+# then remove the cgroups and the run's dir, which the tmpfs covers (not /tmp: a Python under /tmp stays visible).
 _JAIL_SETUP = f"""set -e; umask 022; run=$PWD cgs=$1; shift
 trap 'term=1; kill -9 $child $(for cg in $cgs; do cat "$cg/cgroup.procs"; done) 2>/dev/null || :' TERM
 mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox "$run"; cd "$run"
@@ -732,31 +729,27 @@ exec 2>/dev/null; cd /; umount -l "$run"; rmdir "$run"; for cg in $cgs; do  # (t
 
 
 def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
-    """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it closes itself to the
-    snippet, lowers the limits, runs the snippet read from code_fd (-I: a json.py in the cwd cannot shadow the
-    stdlib; -u: output before a kill is kept), reaps orphans as PID 1, then writes the wait status, which tells
-    SIGKILL from sys.exit(137). "init" alone in the status: init itself was killed (an OOM kill may pick it)."""
+    """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits, runs the
+    snippet from code_fd (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
+    reaps orphans as PID 1, then writes "init <wait status>" (which tells SIGKILL from sys.exit(137))."""
     import ast, ctypes, os, pathlib, resource, sys
-    os.write(int(status_fd), b"init ")
-    libc = ctypes.CDLL(None)
-    libc.prctl(4, 0)  # PR_SET_DUMPABLE 0: the snippet, same uid, can neither ptrace us nor open /proc/1/fd
+    os.write(int(status_fd), b"init ")  # "init" alone: init itself was killed (an OOM kill may pick it)
+    ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the snippet, same uid, can't ptrace us or open /proc/1/fd
     for kind, want in ast.literal_eval(limits).items():  # never above what we inherited
         hard = resource.getrlimit(kind)[1]
         resource.setrlimit(kind, (want, want) if hard == resource.RLIM_INFINITY else (min(want, hard),) * 2)
     with open(int(code_fd), "rb") as code:  # not in argv: ps shows argv to every user, and caps its size
         pathlib.Path("snippet.py").write_bytes(code.read())
-    try:  # libseccomp resolves names to this CPU's syscall numbers and builds the filter (none without it: logged)
-        seccomp = ctypes.CDLL("libseccomp.so.2")
-    except OSError:
-        seccomp = None
-    if seccomp:  # a new session keyring (else the trainer's is inherited), then no key, ptrace or io_uring calls
-        libc.syscall(seccomp.seccomp_syscall_resolve_name(b"keyctl"), 1, None)  # KEYCTL_JOIN_SESSION_KEYRING
+    try:  # libseccomp knows this CPU's syscall numbers and builds the filter; without it, none (the probe logs it)
+        seccomp = ctypes.CDLL("libseccomp.so.2")  # first a new session keyring: the trainer's is inherited
+        ctypes.CDLL(None).syscall(seccomp.seccomp_syscall_resolve_name(b"keyctl"), 1, None)  # JOIN_SESSION_KEYRING
         seccomp.seccomp_init.restype = ctypes.c_void_p
         ctx = ctypes.c_void_p(seccomp.seccomp_init(0x7FFF0000))  # SCMP_ACT_ALLOW what no rule names
         for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup"):
             seccomp.seccomp_rule_add(ctx, 0x50001, seccomp.seccomp_syscall_resolve_name(name), 0)  # EPERM
-        if seccomp.seccomp_load(ctx) != 0:
-            raise OSError("seccomp_load failed")
+        seccomp.seccomp_load(ctx)
+    except OSError:
+        pass
     if (pid := os.fork()) == 0:  # should the exec fail, the traceback ends this child with status 1
         os.close(int(status_fd))
         os.execv(sys.executable, [sys.executable, "-I", "-u", "-X", "utf8", "snippet.py"])
@@ -823,8 +816,7 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
 
 
 def _remove_cgroups(made: list[str]) -> None:
-    """Remove what the jail's shell left of the run's cgroups (it was killed): kill every task still in them,
-    whatever its process group or parent, then rmdir; a cgroup still there after a second is logged."""
+    """What the jail's shell left (it was killed): kill every task in a cgroup, whatever its group, then rmdir."""
     for path in made:
         deadline = time.monotonic() + 1
         while os.path.isdir(path) and time.monotonic() < deadline:
@@ -863,13 +855,10 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout_s)
                 timed_out = proc.returncode is None
-            finally:  # ALWAYS end the group: in the jail, its shell kills the run at SIGTERM and cleans up
-                for sig in (signal.SIGTERM if jail else signal.SIGKILL, signal.SIGKILL):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, sig)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(5)
-                        break
+            finally:  # ALWAYS end the run: the jail's shell, at SIGTERM, kills its every task and cleans up; else
+                with contextlib.suppress(ProcessLookupError):  # one killpg reaches every child left in the group
+                    proc.send_signal(signal.SIGTERM) if jail else os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         status = os.pread(status_fd, 64, 0).split()  # b"init <wait status>"; b"init" alone: init was killed
         rc = os.waitstatus_to_exitcode(int(status[1])) if len(status) == 2 else -9 if status else proc.returncode
         overflow = max(os.fstat(out_fd).st_size, os.fstat(err_fd).st_size) >= SANDBOX_MAX_FILE_BYTES

@@ -1071,7 +1071,8 @@ def _as_nobody(argv: list) -> list:
     return ["unshare", "--mount", "sh", "-c", script, "sh", str(prefix), str(closed[0]), *drop]
 
 
-_NOBODY_PROBE = "import flow_grpo\nrun = flow_grpo.run_python('print(6 * 7)')\nassert run['stdout'] == '42\\n', run['error']"
+_NOBODY_PROBE = ("import flow_grpo\nrun = flow_grpo.run_python('print(6 * 7)')\n"
+                 "assert run['stdout'] == '42\\n', run['error']")
 
 
 def _why_nobody_cannot_run(share: str, code: str = _NOBODY_PROBE, env: dict | None = None) -> str | None:
