@@ -1023,7 +1023,7 @@ for ring in (-3, -4):  # our session keyring, our uid's user keyring
     libc.syscall(ADD_KEY, b"user", b"flowgrpo-run-key", b"run-payload", 11, ring)  # for the next run to find
 for key in keys:
     payload = ctypes.create_string_buffer(64)
-    found += [payload.value.decode()] if key > 0 and libc.syscall(KEYCTL, 11, key, payload, 64) > 0 else []  # READ
+    found += [payload.value] if key > 0 and libc.syscall(KEYCTL, 11, key, payload, 64) > 0 else []  # READ
 print("found", found)
 """
 
