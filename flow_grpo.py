@@ -763,12 +763,11 @@ _SANDBOX_INIT_SOURCE = f"import sys\n{inspect.getsource(_sandbox_init)}_sandbox_
 
 
 def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
-    """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop. A parent-death
-    signal set after the uid change (which clears it) kills init, hence its PID namespace, with its parent."""
+    """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop."""
     unshare, setpriv = (shutil.which(tool) or tool for tool in ("unshare", "setpriv"))
     root = os.geteuid() == 0  # root always becomes nobody, namespaces or not; others keep their uid
     drop = [setpriv, *(["--reuid=65534", "--regid=65534", "--clear-groups"] if root else []),
-            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--pdeathsig=KILL", "--"]
+            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--pdeathsig=KILL", "--"]  # (after setuid)
     if not namespaces:
         return drop if root else []
     outer = [unshare] if root else [unshare, "--user", "--map-root-user"]  # (we are its root, to mount)
@@ -860,7 +859,8 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
                     proc.send_signal(signal.SIGTERM) if jail else os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         status = os.pread(status_fd, 64, 0).split()  # b"init <wait status>"; b"init" alone: init was killed
-        rc = os.waitstatus_to_exitcode(int(status[1])) if len(status) == 2 else -9 if status else proc.returncode
+        rc = (os.waitstatus_to_exitcode(int(status[1])) if len(status) == 2 else -signal.SIGKILL if status
+              else proc.returncode)
         overflow = max(os.fstat(out_fd).st_size, os.fstat(err_fd).st_size) >= SANDBOX_MAX_FILE_BYTES
         stdout, stderr = _read_capped(out_fd, max_chars, True), _read_capped(err_fd, max_chars, False)
     finally:
