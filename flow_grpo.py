@@ -722,7 +722,7 @@ while [ "$1" != -- ]; do  # a symlink (/bin -> usr/bin, a venv's path) is bound 
 done; shift; mkdir -p proc dev/shm tmp; chmod 1777 tmp dev/shm  # tmp may hold a bound dir already
 for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; unset OLDPWD; set +e
 (for cg in $cgs; do echo 0 > "$cg/cgroup.procs" || exit; done; PWD=/tmp exec "$@") & child=$!
-[ -z "$term" ] || kill -9 $child; wait $child; rc=$?; wait $child 2>/dev/null  # (the trap cuts a wait short)
+[ -z "$term" ] || kill -9 $child; wait $child; rc=$?; wait $child 2>/dev/null; child=  # (a trap cuts wait short)
 exec 2>/dev/null; cd /; umount -l "$run"; rmdir "$run"; for cg in $cgs; do  # (the trainer logs what is left)
   for i in $(seq 200); do rmdir "$cg" && break; sleep 0.005; done; done; exit $rc  # a killed task leaves late
 """
