@@ -261,9 +261,18 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     return cfg
 
 
+# Model and tool text reaches terminals and logs: its control characters (ESC, C1's CSI: sequences that rewrite the
+# screen) and bidi overrides (text shown in another order than it reads) are written as escapes.
+_UNSAFE_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    return _UNSAFE_CHARS.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
+
+
 def log(msg: str) -> None:
     """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
-    print(msg, file=sys.stderr, flush=True)
+    print(terminal_safe(msg), file=sys.stderr, flush=True)
 
 
 # =====================================================================================================
@@ -699,42 +708,65 @@ class Memory:
 # --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
 #   layer                 | what it stops                                     | how
 #   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
+#   code in a memfd       | other users reading it in ps; argv's size limit   | init reads it, closes it
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
 #   output in memfds      | FIFO or path games with our copy of the output    | we read descriptors, not paths
 #   PID namespace         | /proc/<trainer>/environ and mem, signals to us    | unshare --pid --mount-proc
+#   init closed to it     | ptrace of init (leave the group); forged status   | PR_SET_DUMPABLE 0 in init
 #   no privileges         | undoing the namespaces (umount /proc), setuid     | setpriv: uid 65534 / user ns
 #   mount namespace       | reading our files, writing outside its own tmpfs  | new root, the system read-only
 #   network namespace     | every network, 127.0.0.1 included                 | unshare --net (lo stays down)
 #   cgroup (root only)    | children that together exhaust memory or PIDs     | memory + pids limits per run
+#   a guard, death signal | tasks, cgroups, dir outliving deadline or trainer | the jail's sh at SIGTERM; pdeathsig
+#   seccomp (libseccomp)  | keyrings (ours, other runs'), ptrace, io_uring    | EPERM filter; new session keyring
 
 SANDBOX_MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: caps files AND stdout/stderr (they are files)
 SANDBOX_MAX_PROCESSES = 256  # processes + threads: the cgroup's pids.max, else RLIMIT_NPROC of its uid
 SANDBOX_TMPFS_MB = 64  # the private tmpfs, the only writable place (cwd = HOME = /tmp); it counts as memory
 _SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.base_prefix, sys.prefix)
-_SANDBOX: Optional[tuple[bool, bool]] = None  # probed once: (use the namespaces?, use cgroups?)
+_SANDBOX: Optional[tuple[bool, bool, bool]] = None  # probed once: namespaces? cgroups? (seccomp?)
 _SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run while the probe runs
-# As root of the new mount namespace: join the cgroups ($1), make a tmpfs root of the dirs up to "--" (r/o). The
-# tmpfs covers the run's own empty directory, not /tmp: a Python installed under /tmp must stay visible.
-_JAIL_SETUP = f"""set -e; umask 022; for cg in $1; do echo $$ > "$cg/cgroup.procs"; done; shift
-mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox "$PWD"; cd "$PWD"
+# As root of the new mount namespace: make a tmpfs root of the dirs up to "--" (r/o), start the rest in the cgroups
+# ($1), stay as its guard: at SIGTERM (the deadline, or our death: its parent-death signal) kill every task there,
+# then remove the cgroups and the run's dir, which the tmpfs covers (not /tmp: a Python under /tmp stays visible).
+_JAIL_SETUP = f"""set -e; umask 022; run=$PWD cgs=$1; shift
+trap 'term=1; kill -9 $child $(for cg in $cgs; do cat "$cg/cgroup.procs"; done) 2>/dev/null || :' TERM
+mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox "$run"; cd "$run"
 while [ "$1" != -- ]; do  # a symlink (/bin -> usr/bin, a venv's path) is bound at its own path, as a dir
   if [ -d "$1" ] && [ ! -e ".$1" ]; then  # (not inside an earlier one)
     mkdir -p ".$1"; mount --rbind "$1" ".$1"; mount -o remount,bind,ro,nosuid,nodev ".$1"
   fi; shift
 done; shift; mkdir -p proc dev/shm tmp; chmod 1777 tmp dev/shm  # tmp may hold a bound dir already
-for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; unset OLDPWD; PWD=/tmp exec "$@"
+for f in null zero urandom; do touch dev/$f; mount --bind /dev/$f dev/$f; done; unset OLDPWD; set +e
+(for cg in $cgs; do echo 0 > "$cg/cgroup.procs" || exit; done; PWD=/tmp exec "$@") & child=$!
+[ -z "$term" ] || kill -9 $child; wait $child; rc=$?; wait $child 2>/dev/null; child=  # (a trap cuts wait short)
+exec 2>/dev/null; cd /; umount -l "$run"; rmdir "$run"; for cg in $cgs; do  # (the trainer logs what is left)
+  for i in $(seq 200); do rmdir "$cg" && break; sleep 0.005; done; done; exit $rc  # a killed task leaves late
 """
 
 
-def _sandbox_init(code: str, limits: str, status_fd: str) -> None:
-    """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits,
-    runs the snippet (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
-    reaps orphans as PID 1, then writes the wait status, which tells SIGKILL from sys.exit(137)."""
-    import ast, os, pathlib, resource, sys
+def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
+    """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits, runs the
+    snippet from code_fd (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
+    reaps orphans as PID 1, then writes "init <wait status>" (which tells SIGKILL from sys.exit(137))."""
+    import ast, ctypes, os, pathlib, resource, sys
+    os.write(int(status_fd), b"init ")  # "init" alone: init itself was killed (an OOM kill may pick it)
+    ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the snippet, same uid, can't ptrace us or open /proc/1/fd
     for kind, want in ast.literal_eval(limits).items():  # never above what we inherited
         hard = resource.getrlimit(kind)[1]
         resource.setrlimit(kind, (want, want) if hard == resource.RLIM_INFINITY else (min(want, hard),) * 2)
-    pathlib.Path("snippet.py").write_text(code, encoding="utf-8")
+    with open(int(code_fd), "rb") as code:  # not in argv: ps shows argv to every user, and caps its size
+        pathlib.Path("snippet.py").write_bytes(code.read())
+    try:  # libseccomp knows this CPU's syscall numbers and builds the filter; without it, none (the probe logs it)
+        seccomp = ctypes.CDLL("libseccomp.so.2")  # first a new session keyring: the trainer's is inherited
+        ctypes.CDLL(None).syscall(seccomp.seccomp_syscall_resolve_name(b"keyctl"), 1, None)  # JOIN_SESSION_KEYRING
+        seccomp.seccomp_init.restype = ctypes.c_void_p
+        ctx = ctypes.c_void_p(seccomp.seccomp_init(0x7FFF0000))  # SCMP_ACT_ALLOW what no rule names
+        for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup"):
+            seccomp.seccomp_rule_add(ctx, 0x50001, seccomp.seccomp_syscall_resolve_name(name), 0)  # EPERM
+        seccomp.seccomp_load(ctx)
+    except OSError:
+        pass
     if (pid := os.fork()) == 0:  # should the exec fail, the traceback ends this child with status 1
         os.close(int(status_fd))
         os.execv(sys.executable, [sys.executable, "-I", "-u", "-X", "utf8", "snippet.py"])
@@ -752,13 +784,13 @@ def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     unshare, setpriv = (shutil.which(tool) or tool for tool in ("unshare", "setpriv"))
     root = os.geteuid() == 0  # root always becomes nobody, namespaces or not; others keep their uid
     drop = [setpriv, *(["--reuid=65534", "--regid=65534", "--clear-groups"] if root else []),
-            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--pdeathsig=KILL", "--"]  # (after setuid)
     if not namespaces:
         return drop if root else []
     outer = [unshare] if root else [unshare, "--user", "--map-root-user"]  # (we are its root, to mount)
-    return [*outer, "--mount", "--net", "--ipc", "/bin/sh", "-c", _JAIL_SETUP, "sh", " ".join(cgroups),
-            *_SANDBOX_READ_ONLY, "--", unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--root=.",
-            "--wd=/tmp", *drop]
+    return [setpriv, "--pdeathsig=TERM", "--", *outer, "--mount", "--net", "--ipc", "/bin/sh", "-c", _JAIL_SETUP,
+            "sh", " ".join(cgroups), *_SANDBOX_READ_ONLY, "--", unshare, "--pid", "--fork", "--kill-child",
+            "--mount-proc", "--root=.", "--wd=/tmp", *drop]
 
 
 def _make_cgroups(memory_mb: int) -> list[str]:
@@ -799,69 +831,84 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     return None if rc == 0 else lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 
+def _remove_cgroups(made: list[str]) -> None:
+    """What the jail's shell left (it was killed): kill every task in a cgroup, whatever its group, then rmdir."""
+    for path in made:
+        deadline = time.monotonic() + 1
+        while os.path.isdir(path) and time.monotonic() < deadline:
+            try:
+                for pid in Path(path, "cgroup.procs").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
+                os.rmdir(path)
+            except OSError:  # a task ended while we looked, or has not left yet
+                time.sleep(0.01)
+        if os.path.isdir(path):
+            log(f"sandbox: could not remove the cgroup {path}")
+
+
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool, cgroups: bool) -> dict:
-    out_fd, err_fd, status_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status"))
+    out_fd, err_fd, status_fd, code_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status", "code"))
     made: list[str] = []
     try:
+        os.pwrite(code_fd, code.encode("utf-8"), 0)
         made = _make_cgroups(memory_mb) if cgroups else []
         limits = {resource.RLIMIT_AS: memory_mb << 20, resource.RLIMIT_CPU: math.ceil(timeout_s) + 1,
                   resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0}
         if not made:  # NPROC counts ALL processes of the uid (as root: of every sandbox); pids.max is per run
             limits[resource.RLIMIT_NPROC] = SANDBOX_MAX_PROCESSES
-        init = [sys.executable, "-I", "-S", "-c", _SANDBOX_INIT_SOURCE, code, repr(limits)]
+        init = [sys.executable, "-I", "-S", "-c", _SANDBOX_INIT_SOURCE, repr(limits)]
         with tempfile.TemporaryDirectory(prefix="flowgrpo_run_", ignore_cleanup_errors=True) as workdir:
             home = "/tmp" if jail else workdir  # in the jail: the tmpfs (the setup's cd); else this directory
             if not jail and os.geteuid() == 0:
                 os.chown(workdir, 65534, 65534)  # the snippet runs as nobody there
             proc = subprocess.Popen(
-                [*_jail(jail, made), *init, str(status_fd)], cwd=workdir,
+                [*_jail(jail, made), *init, str(status_fd), str(code_fd)], cwd=workdir,
                 env={"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LC_ALL": "C.UTF-8",
                      "OMP_NUM_THREADS": "1"},  # a thread per core would each reserve RLIMIT_AS memory
-                stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, pass_fds=(status_fd,),
+                stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, pass_fds=(status_fd, code_fd),
                 start_new_session=True)  # its own process group: one killpg reaches every child
             try:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout_s)
                 timed_out = proc.returncode is None
-            finally:  # ALWAYS kill the group: orphans outlive a clean exit (setsid ones die with the PID ns)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+            finally:  # ALWAYS end the run: the jail's shell, at SIGTERM, kills its every task and cleans up; else
+                with contextlib.suppress(ProcessLookupError):  # one killpg reaches every child left in the group
+                    proc.send_signal(signal.SIGTERM) if jail else os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        rc = os.waitstatus_to_exitcode(int(s)) if (s := os.pread(status_fd, 32, 0)) else proc.returncode
+        status = os.pread(status_fd, 64, 0).split()  # b"init <wait status>"; b"init" alone: init was killed
+        rc = (os.waitstatus_to_exitcode(int(status[1])) if len(status) == 2 else -signal.SIGKILL if status
+              else proc.returncode)
         overflow = max(os.fstat(out_fd).st_size, os.fstat(err_fd).st_size) >= SANDBOX_MAX_FILE_BYTES
         stdout, stderr = _read_capped(out_fd, max_chars, True), _read_capped(err_fd, max_chars, False)
     finally:
-        for fd in (out_fd, err_fd, status_fd):
+        for fd in (out_fd, err_fd, status_fd, code_fd):
             os.close(fd)
-        for path in made:  # rmdir fails until the killed processes have left the cgroup: retry for a second
-            for _ in range(100):
-                with contextlib.suppress(OSError):
-                    os.rmdir(path)
-                    break
-                time.sleep(0.01)
+        _remove_cgroups(made)
     return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": rc,
             "error": _describe_failure(rc, timed_out, timeout_s, overflow, stderr)}
 
 
 def sandbox_missing_layers() -> list[str]:
-    """Which of "namespaces" and "cgroup" this system cannot give. The first call probes under the lock with a
-    snippet that checks both: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
+    """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
+    with a snippet that checks them: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
     global _SANDBOX
     with _SANDBOX_LOCK:
         if _SANDBOX is None:
-            check = "import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read())"
-            errors = []  # the first one is logged: a system's refusal, or a set-up we did not foresee
+            check = ("import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read(), "
+                     "'Seccomp:\\t2' in open('/proc/self/status').read())")
+            errors, seccomp = [], True  # the first error is logged: a refusal, or a set-up we did not foresee
             for jail, cgroups in ((True, os.geteuid() == 0), (True, False), (False, False)):
                 with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
                     probe = _run_sandboxed(check, 10.0, 256, 200, jail, cgroups)
-                    if probe["stdout"] == f"{jail} {cgroups}\n":
+                    if probe["stdout"].startswith(f"{jail} {cgroups} "):
+                        seccomp = probe["stdout"].endswith("True\n")
                         break
                     errors += [probe["error"]] if probe["error"] else []
-            _SANDBOX = (jail, cgroups)
-            if not (jail and cgroups):
+            _SANDBOX = (jail, cgroups, seccomp)  # (where no probe ran, no call will: no filter is missed)
+            if missing := [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]:
                 why = f" ({errors[0][:200]})" if errors else ""
-                log(f"sandbox: no {'cgroup' if jail else 'namespaces, no cgroup'} here{why} (see the README)")
-    return [name for name, ok in zip(("namespaces", "cgroup"), _SANDBOX) if not ok]
+                log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
+    return [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]
 
 
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
@@ -869,8 +916,8 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
     sandbox_missing_layers()
     try:
-        return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX)
-    except (OSError, ValueError, subprocess.SubprocessError) as e:  # our side failed: no fork, NUL in code
+        return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX[:2])
+    except Exception as e:  # our side failed (no fork, a lone surrogate in code): a value, never an exception
         return {"stdout": "", "stderr": "", "error": f"sandbox failure: {type(e).__name__}: {e}",
                 "timed_out": False, "returncode": None}
 
@@ -2625,7 +2672,7 @@ def ask(cfg: Config, device: str) -> None:
     fixed, tools, _, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns, verify=cfg.verify,
                      memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
-    print(format_trajectory(st), f"ANSWER: {extract_answer(st.final_output)}", sep="\n")
+    print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
 
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:

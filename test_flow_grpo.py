@@ -6,6 +6,8 @@ flow_grpo.py's, under the same numbered banners, and prepare_data.py's tests com
 system cannot give (a namespace, the real model) skips with the reason; it never passes silently.
 """
 import ast
+import concurrent.futures
+import contextlib
 import dataclasses
 import faulthandler
 import importlib.util
@@ -968,12 +970,76 @@ print("forks", n)
 """
 
 
+_ESCAPE = """import ctypes, os, subprocess, time
+def escape():  # make init call setsid() through ptrace: out of the process group that the deadline kills
+    libc, init = ctypes.CDLL(None, use_errno=True), os.getppid()
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if libc.ptrace(16, init, None, None) != 0:  # PTRACE_ATTACH
+        return "attach failed: " + os.strerror(ctypes.get_errno())
+    os.waitpid(init, 0)
+    if os.uname().machine != "x86_64":
+        return "attached"
+    saved, regs = (ctypes.c_ulong * 27)(), (ctypes.c_ulong * 27)()  # user_regs_struct: rax, orig_rax, rip
+    libc.ptrace(12, init, None, saved)  # GETREGS: init waits in a syscall, rip points just past it
+    ctypes.memmove(regs, saved, ctypes.sizeof(saved))
+    regs[10], regs[15], regs[16] = 112, 2**64 - 1, saved[16] - 2  # that syscall instruction again, as setsid()
+    for request, arg in ((13, regs), (9, None)):  # SETREGS, SINGLESTEP
+        libc.ptrace(request, init, None, arg)
+    os.waitpid(init, 0)
+    libc.ptrace(13, init, None, saved)
+    libc.ptrace(17, init, None, None)  # DETACH: init goes back to its wait()
+    return "escaped"
+print(escape(), open("/proc/self/cgroup").read().split(), flush=True)
+os.setsid()  # we leave the group too, and our `sleep` with us
+subprocess.Popen(["sleep", TOKEN])
+while True:
+    time.sleep(1)
+"""
+
+
+_FORGE = """import os
+init, forged = os.getppid(), []
+for fd in range(3, 64):  # init's status channel: b"9" * 31 in it once made run_python raise OverflowError
+    try:
+        with open(f"/proc/{init}/fd/{fd}", "wb") as channel:
+            channel.write(b"9" * 31)
+        forged.append(fd)
+    except OSError:
+        pass
+print("forged", forged, flush=True)
+os._exit(5)
+"""
+
+
+_KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine)  # add_key, keyctl
+_KEYS = """import ctypes
+libc, keys, found = ctypes.CDLL(None), [], []
+try:  # the keys we may view (a description is all a key of our uid shows, once keyctl is refused)
+    keys += [int(line.split()[0], 16) for line in open("/proc/keys") if "flowgrpo" in line]
+except OSError:
+    pass
+for ring in (-3, -4):  # our session keyring, our uid's user keyring
+    for name in (b"flowgrpo-trainer-key", b"flowgrpo-run-key"):
+        keys.append(libc.syscall(KEYCTL, 10, ring, b"user", name, 0))  # KEYCTL_SEARCH
+    libc.syscall(ADD_KEY, b"user", b"flowgrpo-run-key", b"run-payload", 11, ring)  # for the next run to find
+for key in keys:
+    payload = ctypes.create_string_buffer(64)
+    found += [payload.value] if key > 0 and libc.syscall(KEYCTL, 11, key, payload, 64) > 0 else []  # READ
+print("found", found)
+"""
+
+
 # The trainer: its first calls race the probe, as a pool of tool calls would; the costly checks then run
 # only where their layer exists (without it, they would really fill 2 GB of disk or 2.8 GB of memory).
-_TRAINER = """import json, sys, time
+_TRAINER = """import ctypes, json, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import flow_grpo
 checks, results = json.loads(sys.argv[1]), {}
+if KEY_SYSCALLS:  # a session keyring of our own (as a systemd service has), holding a secret
+    ADD_KEY, KEYCTL = KEY_SYSCALLS
+    libc = ctypes.CDLL(None)
+    libc.syscall(KEYCTL, 1, b"flowgrpo-trainer")  # KEYCTL_JOIN_SESSION_KEYRING
+    libc.syscall(ADD_KEY, b"user", b"flowgrpo-trainer-key", b"trainer-payload", 15, -3)
 def run(name):
     start = time.monotonic()
     result = flow_grpo.run_python(checks[name][1], timeout_s=checks[name][2])
@@ -988,7 +1054,8 @@ print(json.dumps({"missing": missing, "results": results}))
 
 
 _LAYER_OF = {"secret": "namespaces", "fifo": None, "network": "namespaces", "files": "namespaces",
-             "disk": "namespaces", "memory": "cgroup", "fork": "namespaces"}
+             "disk": "namespaces", "memory": "cgroup", "fork": "namespaces", "escape": "namespaces", "forge": None,
+             "keys": "seccomp", "keys_again": "seccomp"}
 
 
 def _as_nobody(argv: list) -> list:
@@ -1005,21 +1072,65 @@ def _as_nobody(argv: list) -> list:
     return ["unshare", "--mount", "sh", "-c", script, "sh", str(prefix), str(closed[0]), *drop]
 
 
+_NOBODY_PROBE = ("import flow_grpo\nrun = flow_grpo.run_python('print(6 * 7)')\n"
+                 "assert run['stdout'] == '42\\n', run['error']")
+
+
+def _why_nobody_cannot_run(share: str, code: str = _NOBODY_PROBE, env: dict | None = None) -> str | None:
+    """None when uid 65534 runs `code` (by default: a trainer's first sandboxed call) with this Python in `share`,
+    else why not. A venv made under a folder closed to others (/root, a `mktemp -d`) has packages that uid 65534
+    cannot import, or an interpreter it cannot start: its tests then skip, saying so."""
+    proc = subprocess.run(_as_nobody([sys.executable, "-c", code]), cwd=share, capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], "HOME": f"{share}/home", **(env or {})}, timeout=120)
+    last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return None if proc.returncode == 0 else f"uid 65534 cannot run this Python and its packages here ({last[:200]})"
+
+
 @pytest.fixture(scope="module")
-def hostile_runs():
-    """Trainers that start with a secret in their environment run the hostile snippets above at once: one as
-    the current user and, when that is root, one as uid 65534. Returns, per user, the trainer's (returncode,
-    stdout, stderr) and what its file games left on the host."""
+def nobody_share():
+    """(a directory uid 65534 may read: our two files and a HOME; None, or why uid 65534 cannot be tested)."""
     import shutil
     import tempfile
-    listener = socket.create_server(("127.0.0.1", 0))  # connect() succeeds on a listening socket
-    share = tempfile.mkdtemp(prefix="flowgrpo-share-")  # what uid 65534 may read: our two files and a HOME
+    share = tempfile.mkdtemp(prefix="flowgrpo-share-")
     for name in ("flow_grpo.py", "prepare_data.py"):
         shutil.copy(ROOT / name, share)
     os.makedirs(f"{share}/home", mode=0o777)
     os.chmod(share, 0o755), os.chmod(f"{share}/home", 0o777)
-    users = ["current", "nobody"] if os.geteuid() == 0 else ["current"]
-    procs, paths = {}, {}
+    try:
+        yield share, (_why_nobody_cannot_run(share) if os.geteuid() == 0 else "not root: no uid 65534 to test")
+    finally:
+        shutil.rmtree(share, ignore_errors=True)
+
+
+def _start_trainer(user: str, share: str, argv: list, env: dict) -> subprocess.Popen:
+    """A trainer as the current user (in the checkout) or as uid 65534 (in the share), with a TMPDIR of its own
+    (env["TMPDIR"]), where its runs' directories go."""
+    os.makedirs(env["TMPDIR"], mode=0o777)
+    os.chmod(env["TMPDIR"], 0o777)
+    env = {"PATH": os.environ["PATH"], "HOME": f"{share}/home", "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen(argv if user == "current" else _as_nobody(argv), env=env, text=True,
+                            cwd=ROOT if user == "current" else share, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _run_dirs(tmpdir: str) -> list:
+    return [name for name in os.listdir(tmpdir) if name.startswith("flowgrpo")]  # (not _as_nobody's stage)
+
+
+def _cgroups_named(names) -> list:
+    return [str(p) for name in set(names) for p in Path("/sys/fs/cgroup").rglob(name)]
+
+
+@pytest.fixture(scope="module")
+def hostile_runs(nobody_share):
+    """Trainers that start with a secret in their environment and in their session keyring run the hostile
+    snippets above at once: one as the current user and, when that is root, one as uid 65534. Returns, per user,
+    the trainer's (returncode, stdout, stderr) and what its file games and its runs left on the host."""
+    import shutil
+    import tempfile
+    listener = socket.create_server(("127.0.0.1", 0))  # connect() succeeds on a listening socket
+    share, why_not_nobody = nobody_share
+    users = ["current", "nobody"] if os.geteuid() == 0 and not why_not_nobody else ["current"]
+    procs, paths, tokens, tmpdirs = {}, {}, {}, {}
     for user in users:
         victim_dir = tempfile.mkdtemp(prefix="flowgrpo-victim-")
         os.chmod(victim_dir, 0o777)  # even uid 65534 could delete in here, were it not jailed
@@ -1032,17 +1143,19 @@ def hostile_runs():
         fifo = "import os\np = os.readlink('/proc/self/fd/1')\nos.remove(p)\nos.mkfifo(p)"  # hung it
         port = listener.getsockname()[1]
         connect = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)"
+        tokens[user] = f"{random.uniform(30, 40):.6f}"
+        keys = f"ADD_KEY, KEYCTL = {_KEY_SYSCALLS or (-1, -1)}\n" + _KEYS
         checks = {"secret": ["first", _HUNT_SECRET, 10], "files": ["first", constants + _FILE_GAMES, 10],
                   "fifo": ["first", fifo, 5], "network": ["first", connect + "\nprint('connected')", 10],
+                  "escape": ["first", f"TOKEN = {tokens[user]!r}\n" + _ESCAPE, 3], "forge": ["first", _FORGE, 10],
+                  "keys": ["first", keys, 10], "keys_again": ["seccomp", keys, 10],
                   "disk": ["namespaces", _DISK_FILL, 10], "memory": ["cgroup", _MEMORY_HOGS, 30],
                   "fork": ["namespaces", _FORK_BOMB, 10]}
-        argv = [sys.executable, "-c", _TRAINER, json.dumps(checks)]
-        env = {"PATH": os.environ["PATH"], "HOME": f"{share}/home", "OMP_NUM_THREADS": "1",
-               "FLOW_GRPO_TEST_SECRET": "hunter2-do-not-leak"}
-        procs[user] = subprocess.Popen(argv if user == "current" else _as_nobody(argv), env=env, text=True,
-                                       cwd=ROOT if user == "current" else share, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE)
-    runs = {}
+        argv = [sys.executable, "-c", f"KEY_SYSCALLS = {_KEY_SYSCALLS}\n" + _TRAINER, json.dumps(checks)]
+        tmpdirs[user] = f"{share}/tmp-{tag}"
+        procs[user] = _start_trainer(user, share, argv, {"FLOW_GRPO_TEST_SECRET": "hunter2-do-not-leak",
+                                                         "TMPDIR": tmpdirs[user]})
+    runs = {"nobody": {"skip": why_not_nobody}} if why_not_nobody else {}
     try:
         for user, proc in procs.items():
             stdout, stderr = proc.communicate(timeout=120)
@@ -1051,16 +1164,18 @@ def hostile_runs():
                           "left": sorted(os.listdir(victim_dir)),
                           "victim": Path(victim_dir, "victim.txt").read_text(errors="replace")
                           if os.path.exists(f"{victim_dir}/victim.txt") else None,  # (no jail: it may be gone)
-                          "tmp_marker": os.path.exists(tmp_marker), "runs_marker": runs_marker.exists()}
+                          "tmp_marker": os.path.exists(tmp_marker), "runs_marker": runs_marker.exists(),
+                          "token": tokens[user], "run_dirs": _run_dirs(tmpdirs[user])}
         yield runs
     finally:
         for user, proc in procs.items():
             proc.kill()
             proc.wait(timeout=30)
+            for pid in _host_pids_running(f"sleep\0{tokens[user]}", wait_s=0):  # (were the escape to succeed)
+                os.kill(int(pid), signal.SIGKILL)
             shutil.rmtree(paths[user][0], ignore_errors=True)
             shutil.rmtree(paths[user][2], ignore_errors=True)
             Path(paths[user][1]).unlink(missing_ok=True)
-        shutil.rmtree(share, ignore_errors=True)
         listener.close()
 
 
@@ -1068,6 +1183,8 @@ def _hostile(runs, user, name):
     """The result of one hostile snippet, or a skip that says which layer this system lacks."""
     if user not in runs:
         pytest.skip("not root: the current user is the ordinary user, tested as 'current'")
+    if "skip" in runs[user]:
+        pytest.skip(runs[user]["skip"])
     returncode, stdout, stderr = runs[user]["trainer"]
     assert returncode == 0, stderr[-3000:]
     report = json.loads(stdout.strip().splitlines()[-1])
@@ -1125,6 +1242,124 @@ def test_four_children_of_700_mb_exceed_memory_mb_1024_together(hostile_runs, us
 def test_a_fork_bomb_is_bounded(hostile_runs, user):
     result = _hostile(hostile_runs, user, "fork")
     assert int(result["stdout"].split()[-1]) < fg.SANDBOX_MAX_PROCESSES, result
+
+
+@USERS
+def test_a_snippet_cannot_ptrace_its_init_and_nothing_of_a_timed_out_run_is_left(hostile_runs, user):
+    """The snippet makes its init leave the process group that the deadline kills (ptrace: init calls setsid()),
+    leaves it itself and starts a `sleep`: once init was adopted by the host and lived on. Its init is closed to
+    it now, and at the deadline no process, cgroup or directory of the run is left, ~at once."""
+    result = _hostile(hostile_runs, user, "escape")
+    assert result["timed_out"] and result["elapsed"] < 3 + 1.5, result
+    assert result["stdout"].startswith("attach failed"), result
+    left = hostile_runs[user]
+    assert _host_pids_running(left["token"]) == []
+    assert _cgroups_named(re.findall(r"flowgrpo-\w+", result["stdout"])) == [] and left["run_dirs"] == []
+
+
+@USERS
+def test_the_exit_status_cannot_be_forged(hostile_runs, user):
+    result = _hostile(hostile_runs, user, "forge")
+    assert result["stdout"] == "forged []\n" and result["error"] == "exited with code 5", result
+
+
+@USERS
+def test_no_run_reads_the_trainers_keys_or_another_runs(hostile_runs, user):
+    """The trainer holds a key in its session keyring (a systemd service, a pam login); a run looks for it and
+    stores a key in its session and user keyrings, a later run looks for that one."""
+    if not _KEY_SYSCALLS:
+        pytest.skip(f"no keyctl syscall numbers for {os.uname().machine} in this test")
+    for name in ("keys", "keys_again"):
+        result = _hostile(hostile_runs, user, name)
+        assert result["stdout"] == "found []\n", result
+
+
+@USERS
+def test_nothing_of_a_run_outlives_a_trainer_killed_with_sigkill(nobody_share, user):
+    """A trainer is SIGKILLed while a hostile snippet runs: its run's processes, cgroups and directory go too."""
+    import shutil
+    share, why_not_nobody = nobody_share
+    if user == "nobody" and why_not_nobody:
+        pytest.skip(why_not_nobody)
+    token, tmpdir = f"{random.uniform(40, 50):.6f}", f"{share}/tmp-killed-{user}-{random.randrange(10**9)}"
+    trainer = "import sys, flow_grpo\nflow_grpo.run_python(sys.argv[1], timeout_s=60)"
+    proc = _start_trainer(user, share, [sys.executable, "-c", trainer, f"TOKEN = {token!r}\n" + _ESCAPE],
+                          {"TMPDIR": tmpdir})
+    cgroups = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids := _host_pids_running(f"sleep\0{token}", wait_s=0)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the trainer's argv holds the token too)
+        assert pids, "the snippet never started"
+        cgroups = _cgroups_named(re.findall(r"flowgrpo-\w+", Path(f"/proc/{pids[0]}/cgroup").read_text()))
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while (_cgroups_named(Path(c).name for c in cgroups) or _run_dirs(tmpdir)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _host_pids_running(token) == [] and _cgroups_named(Path(c).name for c in cgroups) == []
+        assert _run_dirs(tmpdir) == []
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        for cgroup in cgroups:  # what the sandbox left, the test ends
+            with contextlib.suppress(OSError):
+                for pid in Path(cgroup, "cgroup.procs").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
+        for pid in _host_pids_running(token, wait_s=0):
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_nobody_tests_skip_when_uid_65534_cannot_import_the_dependencies(nobody_share, tmp_path):
+    """A venv under a folder closed to others: uid 65534 cannot import its packages, and says why (the [nobody]
+    tests skip with that reason)."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: no uid 65534 to test")
+    share, _ = nobody_share
+    closed = tmp_path / "closed-venv"
+    closed.mkdir(mode=0o700)
+    (closed / "flowgrpo_probe_dependency.py").write_text("")
+    why = _why_nobody_cannot_run(share, "import flowgrpo_probe_dependency", {"PYTHONPATH": str(closed)})
+    assert why and "ModuleNotFoundError" in why, why
+    assert _why_nobody_cannot_run(share, "import json") is None
+
+
+def test_the_code_is_not_in_argv_and_may_be_large():
+    """ps shows every user each process's argv, and Linux refuses an argument over 128 KiB."""
+    token = f"flowgrpo-code-{random.randrange(10**9)}"
+    code = f"x = '{token}' + '{'y' * 200_000}'\nimport time\ntime.sleep(2)\nprint(len(x))"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_python, code, timeout_s=20)
+        time.sleep(1)
+        seen = _host_pids_running(token, wait_s=0)
+        result = running.result(timeout=30)
+    assert result["stdout"] == f"{200_000 + len(token)}\n" and seen == [], (result, seen)
+
+
+def test_an_init_killed_as_by_the_oom_killer_reads_as_a_memory_kill():
+    """An OOM kill may pick the sandbox's init (then the caller got "unshare: sigprocmask unblock failed")."""
+    if "namespaces" in fg.sandbox_missing_layers():
+        pytest.skip("this system gives the sandbox no PID namespace: its init is not PID 1")
+    token = f"{random.uniform(50, 60):.6f}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_python, f"import subprocess\nsubprocess.run(['sleep', '{token}'])", timeout_s=20)
+        deadline = time.monotonic() + 10
+        while not (pids := _host_pids_running(token, wait_s=0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        snippet = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        init = int(Path(f"/proc/{snippet}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(init, signal.SIGKILL)
+        result = running.result(timeout=30)
+    assert result["error"] == "killed by signal 9 (Killed, likely memory limit)" and not result["timed_out"], result
+
+
+def test_control_characters_and_bidi_overrides_are_escaped_in_logs_and_ask_output(capsys):
+    text = "a\x1b[2Jb\x9b31mc\u202ed\u2066e\rf\tg\nh"
+    assert fg.terminal_safe(text) == "a\\u001b[2Jb\\u009b31mc\\u202ed\\u2066e\\u000df\tg\nh"
+    fg.log(text)
+    assert capsys.readouterr().err == fg.terminal_safe(text) + "\n"
 
 
 def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, capsys):
