@@ -94,7 +94,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Optional
 
 # transformers, peft, openai and pandas are imported where they are used: `--help` and single-piece tests start fast.
 import llguidance
@@ -152,8 +152,8 @@ class Config:
     train_file: str = arg("data/train/combined_train.parquet", "training parquet from prepare_data.py")
     val_file: str = arg("data/val/aime24.parquet", "validation parquet for --eval")
     eval_limit: int = arg(0, "evaluate on the first N validation questions only (0 = all)")
-    eval_every: int = arg(0, "training: greedy held-out accuracy (per kind) every N steps and before the first (0 = off)")
-    wiki_corpus: str = arg("", "offline Wikipedia: a JSONL file of {title, text} pages, searched with BM25 (no network)")
+    eval_every: int = arg(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
+    wiki_corpus: str = arg("", "offline Wikipedia: a JSONL file of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
     tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
                      "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
@@ -211,7 +211,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                verify=False, batch_size=2, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2,
+                verify=False, batch_size=2, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
+                micro_batch_size=2,
                 kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
                 tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu"),
 }
@@ -224,6 +225,12 @@ CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_un
 
 def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
+
+
+def agent_options(cfg: Config) -> dict:
+    """The agent loop's knobs (solve_batch's keyword arguments) from the config."""
+    return dict(max_turns=cfg.max_turns, verify=cfg.verify, memory_chars=cfg.memory_chars,
+                tool_workers=cfg.tool_workers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1039,16 +1046,6 @@ def tool_input(name: str, **fields: str) -> type[BaseModel]:
                         **{k: (str, Field(min_length=1, description=d)) for k, d in fields.items()})
 
 
-@functools.cache
-def call_schema(name: str, input_model: type[BaseModel]) -> type[BaseModel]:
-    """The executor's answer for one tool: tool_name fixed, arguments = its own input model. Decoded under it, a call
-    can neither name another tool nor invent or nest arguments (with a free-form dict a small model does both).
-    The arguments come first: written right after the forced tool name, a small model copies that name into them."""
-    return create_model(f"{name}_Call", __config__=ConfigDict(extra="forbid"),
-                        arguments=(input_model, Field(description="a JSON object of the tool's Input fields")),
-                        tool_name=(Literal[name], Field(description=f'exactly "{name}"')))
-
-
 class RAGTool(Tool):
     """Retrieval: a text -> overlapping word windows -> the top_k best -> an answer written from them only."""
     top_k, chunk_size, chunk_overlap = 4, 150, 20  # passages kept, words per window, words shared by neighbours
@@ -1393,16 +1390,18 @@ def timed(timings: Optional[dict], key: str):
 
 
 def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
-    """Per plan, the executor's arguments for its tool, decoded in its call_schema (one batch per tool), or None."""
+    """Per plan, the executor's arguments for its tool, decoded under the tool's own input model (one batch per tool),
+    or None. The schema is the arguments alone: a call can neither name another tool nor invent or nest arguments,
+    and a small model that has just written a forced "tool_name" copies that name into the arguments."""
     calls: list[Optional[dict]] = [None] * len(live)
     todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
     for name in sorted({plans[i].tool_name for i in todo}):
         rows = [i for i in todo if plans[i].tool_name == name]
         with timed(timings, "fixed"):
             made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
-                                  schema=call_schema(name, tools[name].input_model))
+                                  schema=tools[name].input_model)
         for i, c in zip(rows, made):
-            calls[i] = c and c.arguments.model_dump()
+            calls[i] = c and c.model_dump()
     return calls
 
 
@@ -1416,7 +1415,8 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
         return None, {"error": "the tool call did not fit the tool's input schema"}
     command = {"tool_name": plan.tool_name, "arguments": args}
     try:
-        return command, tools[plan.tool_name](args, memory.findings())  # __call__ validates the arguments
+        tool = tools[plan.tool_name]  # __call__ validates the arguments
+        return command, tool(args, memory.findings()) if getattr(tool, "reads_memory", False) else tool(args)
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
@@ -1447,7 +1447,8 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         calls = write_calls(live, plans, fixed, tools, timings)
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
         with timed(timings, "tools"):
-            ran = run_in_threads(lambda pcm: run_step(tools, *pcm), [(p, c, st.memory) for p, c, st in zip(plans, calls, live)], slots,
+            ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
+                                 slots,
                                  fixed.phase_timeout_s, "tool calls")
         ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
                      {"error": f"no result within {fixed.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
@@ -1603,8 +1604,7 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
 
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
-                       tools=tools, max_turns=cfg.max_turns, verify=cfg.verify, memory_chars=cfg.memory_chars,
-                       tool_workers=cfg.tool_workers, timings=timings)
+                       tools=tools, **agent_options(cfg), timings=timings)
 
 
 # =====================================================================================================
@@ -2525,8 +2525,7 @@ def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[E
     rewards, c, by_kind, routes = [], Counter(), {}, {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
         questions = [r["question"] for r in chunk]
-        states = solve_batch(questions, planner=planner, fixed=fixed, tools=tools, max_turns=cfg.max_turns, verify=cfg.verify,
-                             memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)
+        states = solve_batch(questions, planner=planner, fixed=fixed, tools=tools, **agent_options(cfg))
         got = judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge,
                             [r.get("source") for r in chunk])[0]
         rewards += got
@@ -2670,8 +2669,7 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     fixed, tools, _, planner = build_agent(cfg, device)
-    st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, max_turns=cfg.max_turns, verify=cfg.verify,
-                     memory_chars=cfg.memory_chars, tool_workers=cfg.tool_workers)[0]
+    st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
 
 
@@ -2803,7 +2801,7 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
 
 
 def plot_run(cfg: Config) -> None:
-    """--plot: per step of the run in --output-dir, reward, plan-parse rate and each tool's share (a table and curve.png),
+    """--plot: per step of the run in --output-dir: reward, plan-parse rate, each tool's share (a table, curve.png),
     and where --eval-every wrote them, held-out accuracy overall and per kind (a table and heldout.png)."""
     path = Path(cfg.output_dir) / "metrics.jsonl"
     if not path.exists():

@@ -220,7 +220,7 @@ class RoleEngine(fg.Engine):
                 out.append('{"concise_summary": "square", "required_skills": "math", "relevant_tools": "coder"}')
             elif "executor" in p:
                 args = self.executor_args if self.executor_args is not None else {"query": "print(12**2)"}
-                out.append(json.dumps({"tool_name": "Echo_Tool", "arguments": args}))
+                out.append(json.dumps(args))
             elif "verifier" in p:
                 q = p.split("Question: ")[1].split("\n")[0]
                 self.verified[q] += 1
@@ -231,13 +231,14 @@ class RoleEngine(fg.Engine):
 
 
 class EchoInput(BaseModel):
+    model_config = {"extra": "forbid"}  # as every tool's input model (tool_input)
     query: str
 
 
 class EchoTool:
     """The minimal tool contract the solver relies on: name, describe(), __call__(raw_args)."""
     name = "Echo_Tool"
-    input_model = EchoInput  # the executor's answer is decoded and parsed under fg.call_schema(name, input_model)
+    input_model = EchoInput  # the executor's answer is decoded and parsed under this model
 
     def __init__(self, fail=False):
         self.fail, self.calls = fail, []
@@ -607,17 +608,14 @@ def test_constrained_decoding_gives_valid_json_for_every_role_even_from_random_w
 
 
 def test_constrained_tool_calls_fit_each_tools_own_schema(tiny_engine):
-    """The executor's schema per tool: the tool's name fixed, its own input fields, nothing else - random
-    weights still give a call that the tool's input model accepts."""
-    schemas = [fg.call_schema(name, cls.input_model) for name, cls in TOOL_CLASSES.items()]
-    assert fg.call_schema("Python_Coder_Tool", fg.PythonCoderTool.input_model) is schemas[1]  # built once per tool
+    """The executor's schema per tool: its own input fields, nothing else - random weights still give a call that
+    the tool's input model accepts."""
+    schemas = [cls.input_model for cls in TOOL_CLASSES.values()]
     texts = tiny_engine._generate([f"Call {s.__name__}." + fg.schema_instruction(s) for s in schemas], 160, schemas)
-    for (name, cls), schema, text in zip(TOOL_CLASSES.items(), schemas, texts):
-        call = schema.model_validate_json(text)
-        assert call.tool_name == name and isinstance(cls.input_model.model_validate(call.arguments.model_dump()),
-                                                     cls.input_model), text
+    for schema, text in zip(schemas, texts):
+        assert isinstance(schema.model_validate_json(text), schema), text
     with pytest.raises(ValueError):  # what the grammar forbids, the parser rejects too
-        schemas[1].model_validate({"tool_name": "Python_Coder_Tool", "arguments": {"query": "x", "output": "y"}})
+        schemas[1].model_validate({"query": "x", "output": "y"})
 
 
 def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
@@ -1812,16 +1810,16 @@ def test_solver_counts_failures_per_kind():
     assert failing.stats["tool_error"] == 1
 
 
-def test_executor_must_call_the_planned_tool():
+def test_executor_cannot_name_another_tool_or_add_arguments():
     class Other(RoleEngine):
         def _complete(self, prompts, max_tokens, schema):
-            return [o.replace("Echo_Tool", "Other_Tool") if "executor" in p else o
+            return ['{"tool_name": "Other_Tool", "query": "x"}' if "executor" in p else o
                     for p, o in zip(prompts, super()._complete(prompts, max_tokens, schema))]
 
     tool = EchoTool()
     st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=Other(), tools={"Echo_Tool": tool},
                         max_turns=1)[0]
-    assert "did not fit the tool's input schema" in st.memory.steps[0]["result"]["error"]  # tool_name is fixed
+    assert "did not fit the tool's input schema" in st.memory.steps[0]["result"]["error"]  # the planner chose the tool
     assert tool.calls == []
 
 
@@ -1856,7 +1854,7 @@ def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
 class CountingRoles(fg.Engine):
     """Each frozen role by its prompt's opening; 'bad?' gets an unparseable tool call, 'junk?' an unparseable verdict."""
     ROLES = {"You are the analyst": '{"concise_summary": "s", "required_skills": "r", "relevant_tools": "t"}',
-             "You are the executor": '{"tool_name": "Echo_Tool", "arguments": {"query": "q"}}',
+             "You are the executor": '{"query": "q"}',
              "You are the verifier": '{"analysis": "x", "stop_signal": true}', "Steps taken so far": "<answer>144</answer>"}
 
     def _complete(self, prompts, max_tokens, schema):
