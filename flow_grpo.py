@@ -1620,6 +1620,9 @@ ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are o
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
                            "\u2264": "\\le ", "\u2265": "\\ge ", **{chr(0x2080 + i): str(i) for i in range(10)}})
 MONTHS = "january february march april may june july august september october november december".split()
+NUMBER_WORDS = {w: i if i <= 20 else 10 * (i - 18) for i, w in enumerate("zero one two three four five six seven eight "
+                "nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty "
+                "thirty forty fifty sixty seventy eighty ninety".split())} | {"infinity": "\\infty"}
 # The words around a claim in a sentence (claimed): LINKS before it, VERBS or FOLLOWERS after it, no HEDGES
 LINKS = {"is", "are", "was", "were", "be", "by", "in", "on", "at", "to", "as", "about", "equals", "has", "have", "had"}
 VERBS = {"is", "are", "was", "were", "has", "had", "have", "equals", "became", "won", "wrote", "discovered",
@@ -1688,11 +1691,19 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
         return None
 
 
+def spelled(text: str) -> str:
+    """'seven' as '7', 'one million' and '1 million' as '1000000', 'infinity' as '\\infty'; other text as it is."""
+    m = re.fullmatch(r"(\S+)(?: (hundred|thousand|million|billion))?", text.strip().lower())  # a word, or a number
+    n = m and NUMBER_WORDS.get(m[1], to_number(m[1]) if m[2] else None)  # and its scale; 'seven point five' stays
+    scale = {None: 1, "hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
+    return text if n is None or m[2] and isinstance(n, str) else str(n * scale[m[2]])
+
+
 def normalize_text(text: str) -> str:
     """SQuAD-style: lower case, no punctuation, no articles, single spaces: 'The Eiffel Tower.' -> 'eiffel tower'.
-    A minus sign stays, as a word ('-89.2 °C' is not '89.2 °C'); thousands commas go ('1,454' is '1454')."""
+    A minus stays, a word ('-89.2 °C' isn't '89.2 °C'); thousands commas go ('1,454' is '1454'); 'Mt.' is 'mount'."""
     t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.lower()))
-    return " ".join(w for w in re.sub(r"[^\w\s]", " ", t).split() if w not in {"a", "an", "the"})
+    return " ".join({"mt": "mount"}.get(w, w) for w in re.findall(r"\w+", t) if w not in {"a", "an", "the"})
 
 
 def to_date(text: str) -> Optional[tuple]:
@@ -1755,6 +1766,7 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
         return to_date(pred) == date
     if re.fullmatch(r"(?:[A-Z]\.?){2,5}", pred) and re.fullmatch(r"[A-Z][a-z]+( ([a-z]{2,3} )?[A-Z][a-z]+)+", gold):
         return pred.replace(".", "") == "".join(re.findall("[A-Z]", gold))  # one way: 'United States Army' isn't 'USA'
+    pred, gold = spelled(pred), spelled(gold)
     if m := re.fullmatch(r"(\d{1,2})!", pred):  # '3!' is 6 (a small factorial, unlike a sum, is a value one writes)
         pred = str(math.factorial(int(m[1])))
     p, g = to_number(pred), to_number(gold)
@@ -1776,8 +1788,9 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
             or re.search(r"!|\\binom|\\prod", s) and re.search(r"\d{5}|\d\s*\^\s*\{?\s*\d", s) for s in (pred, gold)]
     if not pred or not verify or any(misread) or any(huge) or len(sets) > 1 or capitals[0] != capitals[1]:
         return False
-    if g is not None and re.search(r"\d\s*(?:[-+*/]|\\times(?!\s*10\^)|\\cdot|\\div)|!", pred):
-        return False  # a plain-number gold wants the number: '9379 + 2894' only restates the question
+    if g is not None and re.search(r"\d\s*(?:[-+*/]|\\times(?!\s*10\^)|\\cdot|\\div)|!", pred):  # a plain-number
+        m = re.fullmatch(r"([-+*/^().=\d\s]|\\times|\\cdot|\\div)+=([^=]+)", pred)  # gold wants the number: '9379 +
+        return bool(m) and to_number(m[2]) == g  # 2894' restates the question, '9379 + 2894 = 12273' answers it
     return math_verify_equal(gold, pred)
 
 
@@ -1785,6 +1798,8 @@ def as_interval(text: str) -> str:
     """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
     text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", text)
     parts = [p.strip() for p in re.split(r"(<|\\leq?(?![a-zA-Z])|\\leqslant)", text)]  # a chain: a, <, x, \le, b
+    if len(parts) == 3:  # one bound: 'x < 2' is (-\infty, 2), '2 \le x' is [2, \infty)
+        parts = ["-\\infty", "<", *parts] if re.fullmatch("[a-z]", parts[0]) else [*parts, "<", "\\infty"]
     if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
         return f"{'(['[parts[1] != '<']}{parts[0]}, {parts[4]}{')]'[parts[3] != '<']}"
     return text
@@ -1799,7 +1814,7 @@ def claimed(pred: str, gold: str) -> bool:
     if pred.endswith("?") or len(words) > 40:  # a question claims nothing; a long sentence is for the LLM judge
         return False
     core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
-    n, number = len(words), to_number(gold) is not None
+    n, number = len(words), to_number(spelled(gold)) is not None
     for i, j in ((i, j) for i in range(n) for j in range(i + 1, min(n, i + len(gold.split()) + 1) + 1)):
         outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
         if i and core[i - 1] not in LINKS or HEDGES.search(outside) or number and re.search(r"\d", outside):
