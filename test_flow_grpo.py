@@ -691,10 +691,10 @@ def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monk
         assert timings[f"gen_tokens_{phase}"] == sum(n for p, n, _ in seen if p == phase) > 0, (seen, timings)
         assert timings.get(f"hit_limit_{phase}", 0) == sum(h for p, _, h in seen if p == phase)
     assert timings["hit_limit_tools"] == 2 and 0 < timings["hit_limit_fixed"] < len(seen) * 2  # 7 tokens: cut
-    max_new, before = 5, fg.usage_now()
+    max_new, before = 5, fg.usage()
     samples = fg.sample_actions(model, tiny_engine.tokenizer, rendered(tiny_engine.tokenizer, ["a", "b", "c"]),
                                 max_new_tokens=max_new, temperature=1.0)
-    counted = fg.usage_now() - before
+    counted = fg.usage() - before
     assert counted["gen_tokens"] == sum(len(s.action_ids) for s in samples)
     assert counted["hit_limit"] == sum(len(s.action_ids) == max_new and int(s.action_ids[-1]) != eos for s in samples)
 
@@ -703,9 +703,9 @@ def test_remote_engine_counts_the_tokens_its_server_reports(standin):
     standin.script = [chat("a"), (200, {**chat("b")[1], "choices": [{"index": 0, "finish_reason": "length",
                                                                      "message": {"role": "assistant", "content": "b"}}],
                                        "usage": {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}})]
-    engine, before = fg.OpenAIEngine(standin.url, "stand-in", workers=1), fg.usage_now()
+    engine, before = fg.OpenAIEngine(standin.url, "stand-in", workers=1), fg.usage()
     assert engine.generate(["x", "y"]) == ["a", "b"]
-    assert fg.usage_now() - before == Counter(gen_tokens=1 + 9, hit_limit=1)
+    assert fg.usage() - before == Counter(gen_tokens=1 + 9, hit_limit=1)
 
 
 def test_train_step_metrics_hold_each_phase_generated_tokens(tmp_path, sample_data):
