@@ -2522,7 +2522,8 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # generate() bypasses peft's forward
     core.register_forward_pre_hook(lambda *_: sync() or t0.append(time.perf_counter()))
-    core.register_forward_hook(lambda *_: sync() or usage(forward_s=time.perf_counter() - t0.pop()))
+    core.register_forward_hook(lambda *_: sync() or usage(forward_s=time.perf_counter() - t0.pop()) and None)  # (a
+    # hook that returned something would replace the model's output)
     rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")

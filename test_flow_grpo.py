@@ -3094,7 +3094,7 @@ def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_o
     split = {m[1]: (float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
         r"(\w+) ([\d.]+)s = forward ([\d.]+)s \+ rest (-?[\d.]+)s", lockstep)}
     assert set(split) == {"planner", "fixed", "tools", "update"}, lockstep
-    assert all(t == pytest.approx(f + r, abs=0.011) for t, f, r in split.values()) and split["planner"][1] > 0
+    assert all(t == pytest.approx(f + r, abs=0.02) for t, f, r in split.values()) and split["planner"][1] > 0
 
 
 def test_benchmark_modes_sample_one_policy_its_timed_update_leaves_the_weights(tmp_path, sample_data, capsys):
