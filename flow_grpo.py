@@ -323,6 +323,17 @@ def schema_instruction(schema: type[BaseModel]) -> str:
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
 
+USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
+
+
+def usage(**add: float) -> Counter:
+    """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
+    seconds in forward passes (forward_s); returns a copy (usage() reads it). timed() splits it by rollout phase."""
+    with _USAGE_LOCK:
+        USAGE.update(add)
+        return USAGE.copy()
+
+
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
     before, parses after, and when greedy sends each distinct prompt once (a question's G trajectories often agree)."""
@@ -418,7 +429,10 @@ class OpenAIEngine(Engine):
                 request["response_format"] = ({"type": mode, "schema": spec} if mode == "json_object" else
                                               {"type": mode, "json_schema": {"name": name, "schema": spec}})
             try:
-                text = self._client.chat.completions.create(**request).choices[0].message.content
+                reply = self._client.chat.completions.create(**request)
+                usage(gen_tokens=getattr(reply.usage, "completion_tokens", 0) or 0,  # when the server says
+                      hit_limit=int(reply.choices[0].finish_reason == "length"))
+                text = reply.choices[0].message.content
                 return text if isinstance(text, str) else self._failed("no text", "a reply without text")
             except openai.APIStatusError as e:  # str(e) may be just "Error code: 500": the body says why
                 if mode != "prompt" and re.search(r"response_format|json_schema|json_object", e.response.text, re.I):
@@ -518,30 +532,45 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
 
 
+@functools.cache
+def schema_matcher(ll_tokenizer, schema: type[BaseModel], max_chars: int) -> llguidance.LLMatcher:
+    """A matcher never advanced, for rows to deep_copy: the copies share the lexer states that it builds lazily (and
+    keep them from call to call), instead of each compiling the grammar and building the same states again."""
+    return llguidance.LLMatcher(ll_tokenizer, json_grammar(schema, max_chars))
+
+
 class SchemaMask:
     """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
-    valid under its schema (an llguidance LLMatcher per row; rows without a schema are free), then only EOS."""
+    valid under its schema (an llguidance LLMatcher per row; rows without a schema are free), then only EOS. Each
+    step fills all rows of one preallocated bitmask at once (a bit per token), on the device a bias of 0 or -inf."""
+    # a byte of the bitmask -> the biases of its 8 tokens, lowest bit first: 0 if the bit is set (allowed), else -inf
+    BYTE_BIAS_256x8 = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
     def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
-        self.matchers = {i: llguidance.LLMatcher(ll_tokenizer, json_grammar(s, max_chars))
-                         for i, s in enumerate(schemas) if s is not None}
+        self.matchers = {i: schema_matcher(ll_tokenizer, s, max_chars).deep_copy() for i, s in enumerate(schemas) if s}
+        if self.matchers:  # bitmask_BW: W int32 words of 32 tokens; rows without a schema keep all ones (allowed)
+            import llguidance.torch  # not at the top: it loads torch's compiler (seconds), as generate() does
+            self.bitmask_BW = llguidance.torch.allocate_token_bitmask(len(schemas), ll_tokenizer.vocab_size)
+            self.executor = llguidance.LLExecutor()  # the threads that fill the rows' masks
         self.started = False
 
     def advance(self, last_B: torch.Tensor) -> None:  # the token each row just emitted; stopped rows get padding
+        last = last_B.tolist()  # one copy from the device for all rows
         for i, m in self.matchers.items():
             if not m.is_stopped():
-                m.consume_token(int(last_B[i]))
+                m.consume_token(last[i])
 
     def __call__(self, ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
         if self.started:  # the first call sees only the prompt
             self.advance(ids_BL[:, -1])
         self.started = True
-        rows = list(self.matchers)  # compute_logit_bias: one byte per tokenizer token, 0 = not allowed
-        allowed_RV = torch.stack([torch.frombuffer(bytearray(self.matchers[i].compute_logit_bias()), dtype=torch.uint8)
-                                  for i in rows]).bool()
-        V = scores_BV.shape[1]  # the model's vocab may be padded beyond the tokenizer's: never allowed there
-        allowed_RV = torch.nn.functional.pad(allowed_RV, (0, max(0, V - allowed_RV.shape[1])))[:, :V]
-        scores_BV[rows] = scores_BV[rows].masked_fill(~allowed_RV.to(scores_BV.device), float("-inf"))
+        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in self.matchers.items()],
+                                                     self.bitmask_BW)
+        bytes_BN = self.bitmask_BW.to(scores_BV.device).view(torch.uint8)  # little-endian: token 8n + j is bit j
+        bias_BT = self.BYTE_BIAS_256x8.to(scores_BV).index_select(0, bytes_BN.flatten().long()).view(len(bytes_BN), -1)
+        T = min(bias_BT.shape[1], scores_BV.shape[1])  # T: the tokenizer's vocab rounded up to 32, or the model's
+        scores_BV[:, :T] += bias_BT[:, :T]  # adding -inf: no branch per element, unlike masked_fill_
+        scores_BV[list(self.matchers), T:] = float("-inf")  # a model's vocab padded beyond the tokenizer's: closed
         return scores_BV
 
 
@@ -609,7 +638,11 @@ class LocalEngine(Engine):
                 mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
                 ids = self.model.generate(**enc, **greedy, logits_processor=[mask] if mask.matchers else None)
                 mask.advance(ids[:, -1])  # the last token was never fed back: the matchers must see it
-                texts = self.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                new_BL = ids[:, enc["input_ids"].shape[1]:]  # counted up to each row's stop token, else all (limit hit)
+                stop_BL = torch.isin(new_BL, torch.tensor(self.model.generation_config.eos_token_id, device=ids.device))
+                usage(gen_tokens=int(torch.where(stop_BL.any(1), stop_BL.int().argmax(1) + 1, new_BL.shape[1]).sum()),
+                      hit_limit=int((~stop_BL.any(1)).sum()))
+                texts = self.tokenizer.batch_decode(new_BL, skip_special_tokens=True)
                 outs += [t if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
                          for r, t in enumerate(texts)]
         return outs
@@ -1382,11 +1415,14 @@ class AgentState:
 
 @contextlib.contextmanager
 def timed(timings: Optional[dict], key: str):
-    """Add the seconds spent in the block to timings[key] (where the rollout's time goes)."""
-    t0 = time.perf_counter()
+    """Add the seconds spent in the block to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]
+    (where the rollout's time and tokens go)."""
+    t0, before = time.perf_counter(), usage()
     yield
     if timings is not None:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+        for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
+            timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
 
 
 def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
@@ -1558,6 +1594,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
                           cache=cache, use_cache=True).logits[:, -1]
         next_pos_R = next_pos_R + 1
+    usage(gen_tokens=int(length_B.sum()), hit_limit=int(going_R.sum()))  # rows still going hit the limit
     tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
     prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
     actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
@@ -2464,6 +2501,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
                "judge_fallbacks": c["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
                "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
+               **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit")
+                  for k in ("planner", "fixed", "tools")},
                "engine_requests": sum(e.requests for e in engines) - sent[0],
                "engine_failures": sum(e.failures for e in engines) - sent[1]}
     return metrics, states, rewards
@@ -2713,7 +2752,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
                 update_policy(model, make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0], rows, cfg, step=1)
             prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
-        where = ", ".join(f"{k} {t[k]:.2f}s" for k in ("planner", "fixed", "tools", "update") if k in t)
+        fwd = {k: t.get(f"forward_s_{k}", 0.0) for k in ("planner", "fixed", "tools", "update") if k in t}
+        where = ", ".join(f"{k} {t[k]:.2f}s = forward {f:.2f}s + rest {t[k] - f:.2f}s" for k, f in fwd.items())
         print(f"  {mode:10s} {seconds[mode]:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
     print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
@@ -2772,9 +2812,15 @@ def _remote_speedup(group: int) -> None:
 
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls."""
+    """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls. Each
+    phase is split into the model's forward passes (timed by hooks, the GPU waited for) and the rest."""
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
+    sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model  # generate() bypasses peft's forward
+    core.register_forward_pre_hook(lambda *_: sync() or t0.append(time.perf_counter()))
+    core.register_forward_hook(lambda *_: sync() or usage(forward_s=time.perf_counter() - t0.pop()) and None)  # (a
+    # hook that returned something would replace the model's output)
     rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")

