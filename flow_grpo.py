@@ -206,15 +206,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task (prepare_data.py): arithmetic -> Python, lookups -> Wikipedia over the corpus,
-    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. Micro-batches of 2: CPU attention
-    # with a padding mask holds [rows, heads, P, P] per layer for the backward.
+    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. A small lr, T = 1 and a question
+    # of each kind per step on average: with fewer questions a single Adam step moved every plan to one tool, and
+    # the groups never varied again (README). Micro-batches of 2: CPU attention with a padding mask holds
+    # [rows, heads, P, P] per layer for the backward.
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                verify=False, batch_size=2, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
-                micro_batch_size=2,
-                kl_coef=0.0, lr=5e-4, warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3,
-                tool_timeout_s=5.0, eval_limit=60, output_dir="runs/cpu"),
+                verify=False, batch_size=3, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
+                micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=1e-4, warmup_steps=2, max_steps=30,
+                save_every=10, sft_steps=8, sft_lr=1e-3, tool_timeout_s=5.0, eval_every=10, eval_limit=30,
+                output_dir="runs/cpu"),
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
