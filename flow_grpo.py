@@ -50,46 +50,19 @@ DELIBERATE SIMPLIFICATIONS (and why)
     the policy's *frozen base* (adapter off), in-process; --fixed-base-url sends them to a bigger model's server.
   * Rollouts sample exactly softmax(logits / T) in our own loop, so the stored log-probs are the behaviour policy's
     (generate() applies the hub config's top-k/top-p/penalties). At scale: vLLM and --old-logprobs recompute.
-  * The rule judge (answer extraction, exact numbers, normalised text, math-verify) is the default reward; an
-    LLM judge is optional and falls back to the rule whenever it fails.
+  * Reward: the rule judge (answer extraction, numbers, normalised text, math-verify); --judge llm falls back to it.
   * The frozen roles decode under their JSON schema (llguidance in-process, response_format on a server); the
     planner never does: its log-probs must be those of the distribution it samples from.
-  * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so pi/pi_old would not be 1
-    before any update and the clip would fire on noise.
+  * LoRA dropout 0: a stochastic training forward would make pi/pi_old != 1 before any update (the clip fires on noise).
   * The executor emits a JSON tool call validated against the tool's input schema; model-written code only runs
     in a sandboxed subprocess (run_python). No Google search (a proprietary SDK): Wikipedia and web-page RAG, BM25.
 """
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures
-import contextlib
-import dataclasses
-import fcntl
-import functools
-import hashlib
-import http.server
-import importlib.util
-import inspect
-import json
-import logging
-import math
-import os
-import random
-import re
-import resource
-import select
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import textwrap
-import threading
-import time
-import urllib.parse
-import warnings
+import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, http.server, importlib.util
+import inspect, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
+import textwrap, threading, time, urllib.parse, warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -206,10 +179,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task (prepare_data.py): arithmetic -> Python, lookups -> Wikipedia over the corpus,
-    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. A small lr, T = 1 and a question
-    # of each kind per step on average: with fewer questions a single Adam step moved every plan to one tool, and
-    # the groups never varied again (README). Micro-batches of 2: CPU attention with a padding mask holds
-    # [rows, heads, P, P] per layer for the backward.
+    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. A small lr, T = 1 and about one
+    # question of each kind per step keep one Adam step from moving every plan onto one tool (README). Micro-batches
+    # of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer for the backward.
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
