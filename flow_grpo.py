@@ -267,7 +267,6 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     fence, its outermost {...} span), then json_repair: single quotes, trailing commas, truncation, prose; of
     several objects (an example or an echoed memory step first) the last valid one."""
     import json_repair
-
     if isinstance(text, schema):
         return text
     if not isinstance(text, str) or not text.strip():
@@ -332,15 +331,16 @@ class Engine:
         raise NotImplementedError
 
 
-def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore] = None) -> concurrent.futures.Future:
-    """fn() in a daemon thread (once one of `slots` is free): its Future. Python cannot kill a thread but can stop
-    waiting for one, and a daemon never blocks exit (a ThreadPoolExecutor's threads are joined there)."""
+def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore] = None,
+                     deadline: float = math.inf) -> concurrent.futures.Future:
+    """fn() in a daemon thread once one of `slots` is free (None if that is after `deadline`, a time.monotonic()):
+    its Future. Python cannot kill a thread but can stop waiting for one, and a daemon never blocks exit."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def work() -> None:
         with slots or contextlib.nullcontext():
             try:
-                future.set_result(fn())
+                future.set_result(fn() if time.monotonic() < deadline else None)
             except BaseException as e:  # re-raised by future.result(), in the waiting thread
                 future.set_exception(e)
 
@@ -353,28 +353,26 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
     """[fn(item) for item in items] in daemon threads, at most `slots` at once; a call that raises or is not done
     within timeout_s in all gives None. A long wait logs progress: slow, not a silent stall."""
     t0 = time.monotonic()
-    call = lambda item: fn(item) if time.monotonic() < t0 + timeout_s else None  # its slot freed too late: skip it
-    pending = futures = [in_daemon_thread(functools.partial(call, item), slots) for item in items]
-    while pending and (left := t0 + timeout_s - time.monotonic()) > 0:
+    futures = [in_daemon_thread(functools.partial(fn, item), slots, deadline=t0 + timeout_s) for item in items]
+    while (left := t0 + timeout_s - time.monotonic()) > 0:
         done, pending = concurrent.futures.wait(futures, timeout=min(left, progress_s))
-        if pending:
-            log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
-                f"(the rest is abandoned at {timeout_s:.0f} s)")
+        if not pending:
+            break
+        log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
+            f"(the rest is abandoned at {timeout_s:.0f} s)")
     return [f.result() if f.done() and not f.exception() else None for f in futures]
 
 
 class OpenAIEngine(Engine):
-    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp's servers, OpenAI). Structured output steps down MODES
-    once, for all threads, at a refusal (an error body naming response_format, json_schema or json_object); the prompt
-    always carries the schema. Requests run in threads, retried with backoff on connection errors, 429 and 5xx (not on
-    a timeout); one that fails anyway gives "" (None for a schema), counted in `failures`: a run must not end there."""
+    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp, OpenAI). A refusal of response_format steps MODES down
+    once, for all threads; the prompt always carries the schema. Requests run in threads, retried with backoff on
+    connection errors, 429 and 5xx (not a timeout); one that fails anyway gives "" (None for a schema), counted."""
     MODES = ("json_schema", "json_object", "prompt")  # structured output, best first
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
                  phase_timeout_s: float = 300.0, max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16,
                  max_tokens: int = 512, temperature: float = 0.0):
         from openai import OpenAI
-
         self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",  # vLLM takes any key
                               timeout=timeout_s, max_retries=0)  # the key stays in here; retries are ours
         self.base_url, self.model, self.max_retries, self.backoff_s = base_url, model, max_retries, backoff_s
@@ -392,7 +390,6 @@ class OpenAIEngine(Engine):
     def _one(self, prompt: str, max_tokens: int, schema) -> Optional[str]:
         """One request, retried where that can help: its text, or None. Never raises."""
         import openai
-
         attempt = 0
         while True:
             mode = self.mode if schema is not None else "prompt"
@@ -469,7 +466,6 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # from the 256 bytes: any text encodes
@@ -551,8 +547,8 @@ class SchemaMask:
 class LocalEngine(Engine):
     """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
-    JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts and whoever gets the lock
-    serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
+    JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts; whoever gets the lock serves
+    the whole queue in one batch (concurrent tool threads share one generate())."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
@@ -560,7 +556,7 @@ class LocalEngine(Engine):
         self.max_tokens, self.batch_size = max_tokens, batch_size
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._queue_lock = threading.Lock()
-        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use
 
     def _complete(self, prompts, max_tokens, schema):
         mine: concurrent.futures.Future = concurrent.futures.Future()
@@ -700,8 +696,7 @@ class Memory:
         return json.dumps(steps, indent=1, ensure_ascii=False) if steps else "(no steps yet)"
 
     def findings(self, max_chars: int = 500) -> str:
-        """What earlier steps found, as plain sentences (page summaries, program outputs, answers): the notes a
-        tool that reads the memory gets (Tool.reads_memory)."""
+        """What earlier steps found (page summaries, program outputs, answers) as plain text, for Tool.reads_memory."""
         texts = []
         for step in self.steps:
             r = step["result"]
@@ -841,8 +836,10 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     if rc < 0:  # a real signal death, from a wait status (not guessed from an exit code); SIGXCPU says "CPU"
         hint = ", likely memory limit" if rc == -signal.SIGKILL else ""
         return f"killed by signal {-rc} ({signal.strsignal(-rc)}{hint})"
+    if rc == 0:
+        return None
     lines = stderr.strip().splitlines()  # the last line of a traceback is "ExceptionName: message"
-    return None if rc == 0 else lines[-1].strip()[:500] if lines else f"exited with code {rc}"
+    return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 
 def _remove_cgroups(made: list[str]) -> None:
@@ -1047,8 +1044,7 @@ class Tool:
 
 
 def tool_input(name: str, **fields: str) -> type[BaseModel]:
-    """A tool's input model: these non-empty strings, each described to the executor. extra="forbid": a misspelt key
-    ("querry") is named, not dropped and then reported missing."""
+    """A tool's input model: non-empty strings described to the executor; extra="forbid" names a misspelt key."""
     return create_model(name, __config__=ConfigDict(extra="forbid"),
                         **{k: (str, Field(min_length=1, description=d)) for k, d in fields.items()})
 
@@ -1102,7 +1098,7 @@ class PythonCoderTool(Tool):
                                                        "every number and value it needs")
     limitations = ("Python standard library only; no internet, files or user input; a few seconds of run time; "
                    "the program is written by a language model and can be wrong.")
-    # No example task here: SmolLM2-135M pasted one verbatim into every call.
+    # No example task: a small model pastes it into every call.
     tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
             "with every number it needs.")
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
@@ -1111,8 +1107,7 @@ class PythonCoderTool(Tool):
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
     def run(self, args: Any, findings: str = "") -> dict:
-        # Short on purpose: a small model follows one plain sentence better than a list of rules ("compute {query}"
-        # made it name a function after the query: def compute_13*65()). The sandbox keeps the code harmless.
+        # One plain sentence: a small model follows it better than rules. The sandbox keeps the code harmless.
         prompt = ((f"Facts found so far: {findings}\n" if findings else "") +
                   f"Write a Python program that prints the result of: {args.query}\n"
                   "Reply with the program in one ```python block.")
@@ -1283,8 +1278,7 @@ TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, Wikip
 
 
 def read_corpus(path: str) -> dict[str, str]:
-    """--wiki-corpus: a JSONL file, one {"title": ..., "text": ...} page per line -> {title: text}. A file that is
-    missing or malformed is one error line naming the line, before any model loads."""
+    """--wiki-corpus: JSONL {"title", "text"} pages -> {title: text}; a bad file is one error line naming the line."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -1306,8 +1300,7 @@ def read_corpus(path: str) -> dict[str, str]:
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None,
                wiki_corpus: Optional[dict[str, str]] = None) -> dict[str, Tool]:
-    """Tools by name, each with the options every tool takes; the retrieval tools also get the embeddings, and the
-    Wikipedia tool its offline corpus when one is given."""
+    """Tools by name with the common options; the retrieval tools also get the embeddings, Wikipedia its corpus."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     rag = {"embed_client": embed_client, "embed_model": embed_model}
@@ -1346,7 +1339,7 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
 
 
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
-    # The question last, nearest the reply: SmolLM2-135M then copied the task into the call 24/24 times (else 18/24)
+    # The question last, nearest the reply: a small executor then copies the task into the call
     return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
             f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
             f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
@@ -1359,7 +1352,7 @@ def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
 
 
 def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first: with them last SmolLM2-135M answered 5 of 24 (it listed steps of its own), in this order 20 of 24
+    # Steps first: with them last, a small model lists steps of its own instead of answering
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
 
@@ -1389,8 +1382,7 @@ class AgentState:
 
 @contextlib.contextmanager
 def timed(timings: Optional[dict], key: str):
-    """Add the seconds spent in the block to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]
-    (where the rollout's time and tokens go)."""
+    """Add the block's seconds to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]."""
     t0, before = time.perf_counter(), usage()
     yield
     if timings is not None:
@@ -1434,8 +1426,7 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
 def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 timings: Optional[dict] = None) -> list[AgentState]:
-    """Run the agent on every question, all trajectories in lockstep. Returns the finished states. verify=False:
-    no verifier, every trajectory takes max_turns turns."""
+    """Run the agent on every question, all trajectories in lockstep; verify=False: always max_turns turns."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
         analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
@@ -1458,8 +1449,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
         with timed(timings, "tools"):
             ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
-                                 slots,
-                                 fixed.phase_timeout_s, "tool calls")
+                                 slots, fixed.phase_timeout_s, "tool calls")
         ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
                      {"error": f"no result within {fixed.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
         # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
@@ -1586,7 +1576,7 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
          [q0,  q1, q2 | b0, b1, b2 ]]
     The token in column P+j is predicted by the logits of column P+j-1, so we need the logits of the last
     A+1 columns minus the very last one. `logits_to_keep` makes the model apply its LM head to those columns
-    only: with a 152k-token vocabulary, full-sequence logits for a 4k-token prompt would cost gigabytes.
+    only: full-sequence logits of a long prompt over a big vocabulary would not fit in memory.
     The pad id is irrelevant: the mask is built from lengths, and padded logits are never read.
     """
     device = next(model.parameters()).device
@@ -1625,7 +1615,7 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
 # Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order), then a claim in a
 # short sentence ('The largest planet is Jupiter.'). What needs the question (is 'The second largest planet is
 # Jupiter' an answer?) or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL
-# characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
+# characters are read and no pattern backtracks, so a huge output costs what a short one does.
 ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
 # One spelling for what is written several ways (− ∞ π √ ≤ ≥, subscript digits); $ only delimits math
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
@@ -1887,8 +1877,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
 
 
 def group_members(group_ids) -> list[list[int]]:
-    """Row indices per group, ids of any hashable type: ["q1", "q2", "q1"] -> [[0, 2], [1]]. (A tensor is read
-    with .tolist(): its own elements would hash by identity, not value.)"""
+    """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
     members: dict[Any, list[int]] = {}
     for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
         members.setdefault(g, []).append(i)
@@ -1994,10 +1983,9 @@ def pick_device(cfg: Config) -> str:
 
 
 def dequantise_gguf(path: Path, folder: Path) -> None:
-    """GGUF file -> an ordinary fp32 checkpoint folder, once (~20 s; loading that folder takes ~1 s).
-    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config."""
+    """GGUF file -> an ordinary fp32 checkpoint folder, once (it loads far faster). save_pretrained refuses a
+    GGUF-loaded model, so its weights go into a fresh model built from its config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log(f"[model] dequantising {path.name} once into {folder}")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     del loaded.config.quantization_config
@@ -2038,11 +2026,10 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
     or not), else a fresh adapter to train, else the bare base. Returns the model and its tokenizer."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device == "cuda" else torch.float32
-    if trainable and cfg.old_logprobs == "captured" and dtype != torch.float32:  # SmolLM2 in bf16 (CPU): 0.3% of
+    if trainable and cfg.old_logprobs == "captured" and dtype != torch.float32:
         log("warning: --old-logprobs captured in bf16: the sampler's cached decoding and the update's forward differ "
-            "by up to 0.5 per token, so the clip fires before any update; 'recompute' is exact")  # tokens clipped
+            "by up to 0.5 per token, so the clip fires before any update; 'recompute' is exact")
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed, dtype)
     else:
@@ -2097,9 +2084,11 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
     corpus = read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None  # a bad file fails before the model loads
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
-    remote = lambda flag, url, name, max_tokens: checked(OpenAIEngine(
-        url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s, phase_timeout_s=cfg.phase_timeout_s,
-        max_tokens=max_tokens), flag)
+
+    def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
+        return checked(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
+                                    phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
+
     fixed = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
         if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
     fixed.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
@@ -2109,7 +2098,6 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
     if cfg.embed_base_url:  # optional dense retrieval for the RAG tools; BM25 otherwise
         from openai import OpenAI
-
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
@@ -2223,8 +2211,7 @@ def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[lis
 
 def has_signal(rows: list[Row], cfg: Config) -> bool:
     """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
-    so its forward and backward passes would be wasted, and an optimizer step would still move the weights on
-    Adam's stale momentum: such a minibatch is skipped (DAPO's reason for filtering equal-reward groups)."""
+    yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
     return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
 
 
@@ -2249,8 +2236,7 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
     """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
-    signal (has_signal) costs nothing; one whose loss or gradient norm is not finite is skipped: one NaN must never
-    poison the adapter."""
+    signal costs nothing; one whose loss or gradient norm is not finite is skipped: no NaN reaches the adapter."""
     params = [p for p in model.parameters() if p.requires_grad]
     sums, skipped, no_signal = Counter(), 0, 0
     model.train()
@@ -2330,7 +2316,6 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (it fixes the data position)."""
     from peft import set_peft_model_state_dict
-
     set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
@@ -2347,12 +2332,10 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 
 
 # The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
-# and how much it logs, how fast and in what precision it runs (a bf16 run may go on in float32) - never what a step
-# computes.
+# and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
-               "eval_every",
-               "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
-               "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
+               "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
+               "request_timeout_s", "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
 
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
@@ -2409,7 +2392,10 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
 def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
     """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
     c = agent_counts(states, tools)
-    rate = lambda part, whole: c[part] / max(1, c[whole])  # part / whole, 0 for an empty whole
+
+    def rate(part: str, whole: str) -> float:  # 0 for an empty whole
+        return c[part] / max(1, c[whole])
+
     return {"turns_per_traj": rate("turns", "questions"), "plan_parse_rate": rate("plans", "turns"),
             "tool_call_valid": rate("calls_valid", "calls"), "tool_error_rate": rate("tool_errors", "turns"),
             "structured_valid": rate("structured_valid", "structured"),
@@ -2429,9 +2415,8 @@ def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge:
 
 def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fixed: Engine, judge: Optional[Engine],
                   tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
-    """DAPO's dynamic sampling (--dynamic-sampling N): groups whose rewards are all equal are dropped, and up to N more
-    batches of questions (drawn by their own seeded RNG: a resumed run draws the same) are rolled out until B groups
-    with variance are kept. Without it every group is kept. Returns the kept states and rewards, and counts."""
+    """DAPO's dynamic sampling (--dynamic-sampling N): groups of equal rewards are dropped, and up to N more batches
+    (their own seeded RNG: resumable) rolled out until B groups with variance are kept (N = 0: all are kept)."""
     G, kept_states, kept_rewards, c = cfg.group_size, [], [], Counter()
     for attempt in range(cfg.dynamic_sampling + 1):
         if attempt:
@@ -2483,9 +2468,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
 
 
 class GracefulInterrupt:
-    """First Ctrl-C (or SIGTERM, a job scheduler's stop): finish the step (a checkpoint mid-update would be half a step
-    ahead of its optimizer), save, stop. Second: os._exit at once, waiting for no request or tool; nothing saved is
-    lost (logs and checkpoints are whole)."""
+    """First Ctrl-C or SIGTERM: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer),
+    save, stop. Second: os._exit at once, waiting for nothing; what was saved is whole (logs and checkpoints)."""
 
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
         main = threading.current_thread() is threading.main_thread()
@@ -2512,8 +2496,8 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
 
 
 def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
-    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output
-    in it) -> {"sub_goal": question, "tool_name": drawn uniformly, redrawn every step} + EOS, own AdamW."""
+    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output in it)
+    -> {"sub_goal": question, "tool_name": drawn uniformly, redrawn every step} + EOS, own AdamW."""
     rng = random.Random(f"sft-{cfg.seed}")
     pool = [r["question"] for r in rng.sample(rows, min(len(rows), cfg.batch_size * cfg.group_size))]
     analyses = fixed.generate([analysis_prompt(q, tools) for q in pool], schema=QueryAnalysis)
@@ -2548,7 +2532,7 @@ def route(st: AgentState) -> str:
 
 def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
-    """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), each kind's routes
+    """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), routes per kind
     ({"compound": {"Wikipedia>Python": 12, ...}}), and agent_counts."""
     rewards, c, by_kind, routes = [], Counter(), {}, {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
@@ -2606,7 +2590,7 @@ def train(cfg: Config) -> Path:
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
     eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit) if cfg.eval_every else []
-    held_out = lambda: held_out_metrics(model, tokenizer, fixed, tools, judge, eval_rows, cfg)
+    held_out = functools.partial(held_out_metrics, model, tokenizer, fixed, tools, judge, eval_rows, cfg)
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
         with open(out_dir / "metrics.jsonl", "a") as mf:
             mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
@@ -2641,7 +2625,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
                        lr: float = 2e-2) -> list[float]:
     """The tiny model on a one-turn toy task (reward = the share of digits in the action): mean reward per step. The
     trainer's own sampling, advantages, loss and update, so a rising curve shows the update's sign and scale are right.
-    lr 2e-2: at 5e-2 a seed at 1.00 could fall back (all advantages 0: Adam scales up the tiny KL gradient)."""
+    lr 2e-2: higher, a solved seed (all advantages 0) can drift back on Adam's scaled-up KL gradient."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
@@ -2736,9 +2720,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
 
 
 def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
-    """Useful tokens/s (up to the first stop token) of sample_actions vs transformers' generate() under the same law
-    (softmax(logits / T), no top-k/top-p), on the prompts as the trainer samples them: each question's planner prompt
-    G times, so the loop prefills it once. The loop's prefill is timed as a 1-token run."""
+    """Useful tokens/s (up to the first stop) of sample_actions vs generate() under the same law (softmax(logits / T)),
+    on the prompts as the trainer samples them (G copies: prefilled once). The prefill is timed as a 1-token run."""
     stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
     t0 = time.perf_counter()
     sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
