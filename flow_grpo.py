@@ -709,9 +709,8 @@ class Memory:
 # =====================================================================================================
 # 6. Tools
 # =====================================================================================================
-# A tool has two faces: describe(), the contract the planner and the executor read (part of what the policy learns:
-# short, concrete, stable), and run(), which never crashes the rollout: an error becomes a value the planner can
-# react to ("timed out", "no page"). First the building blocks: the sandbox, wall-clock timeouts, retrieval.
+# A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
+# learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
 
 # --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
@@ -948,8 +947,7 @@ def _short_error(e: BaseException, max_chars: int = 300) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
 
-# --- Retrieval: a prompt holds a few passages, not a page: overlapping word windows, the best ones kept, ranked by
-# BM25 (the default: no model, no API key) or by embeddings.
+# --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key) or embeddings.
 
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
@@ -1517,16 +1515,14 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
                    share_prefill: bool = True) -> list[Sample]:
-    """Batched sampling with a KV cache, recording behaviour log-probs. `prompts` are rendered chat strings.
-
+    """Batched sampling with a KV cache, recording behaviour log-probs; `prompts` are rendered chat strings. The idea,
+    per step: logp = log_softmax(logits / T); token = multinomial(exp(logp)); keep logp[token] (T = 0: argmax, T = 1).
     Prompts are LEFT-padded so that every row's next token is written in the same column:
         ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
-    Position ids come from the mask (cumsum - 1), exactly as the update will compute them (action_logprobs),
-    so both passes see the same positions. temperature == 0 means greedy (log-probs then at T = 1).
+    Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
     share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
-    KV cache copied to its rows, which then sample independently. A row whose action ended leaves batch and cache.
-    """
+    KV cache copied to its rows. R: the rows still decoding (an ended row leaves batch and cache); L: columns so far."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
     enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -1570,15 +1566,12 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
     """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
-
     Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
         [[pad, p0, p1 | a0, a1, pad],
          [q0,  q1, q2 | b0, b1, b2 ]]
-    The token in column P+j is predicted by the logits of column P+j-1, so we need the logits of the last
-    A+1 columns minus the very last one. `logits_to_keep` makes the model apply its LM head to those columns
-    only: full-sequence logits of a long prompt over a big vocabulary would not fit in memory.
-    The pad id is irrelevant: the mask is built from lengths, and padded logits are never read.
-    """
+    The token in column P+j is predicted by the logits of column P+j-1: we need the logits of the last A+1 columns
+    but the very last. `logits_to_keep` applies the LM head to those only (full-sequence logits of a long prompt over
+    a big vocabulary would not fit). The pad id is irrelevant: the mask comes from lengths; padded logits go unread."""
     device = next(model.parameters()).device
     B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
     ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
@@ -1611,11 +1604,10 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
 # =====================================================================================================
 # 9. Judge reward
 # =====================================================================================================
-# The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, then
-# Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order), then a claim in a
-# short sentence ('The largest planet is Jupiter.'). What needs the question (is 'The second largest planet is
-# Jupiter' an answer?) or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL
-# characters are read and no pattern backtracks, so a huge output costs what a short one does.
+# The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, math-verify
+# (10^{3} = 1000, sets in any order), then a claim in a short sentence ('The largest planet is Jupiter.'). What needs
+# the question or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL characters are
+# read and no pattern backtracks, so a huge output costs what a short one does.
 ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
 # One spelling for what is written several ways (− ∞ π √ ≤ ≥, subscript digits); $ only delimits math
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
@@ -1835,8 +1827,7 @@ def claimed(pred: str, gold: str) -> bool:
 def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) -> float:
     """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases
     (aliases=True: '1945; 1946'), or the parts of ONE math answer (False: 'y = 2' is not 'x = 1; y = 2'); None
-    guesses from the shape: aliases are words. Both sides get one spelling (SPELLINGS, no \\$) and lose \\text{}
-    wrappers: '\\text{Yes}' is 'Yes'."""
+    guesses (aliases are words). Both sides get one spelling (SPELLINGS, no \\$) and lose \\text{...} wrappers."""
     truth, parts = str(ground_truth), str(ground_truth).split("; ")
     if aliases is None:  # words, whole brackets
         aliases = any(re.search(r"(?<![\\a-zA-Z])[a-zA-Z]{2}", p) for p in parts) and all(
@@ -1939,17 +1930,14 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
               mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
               clip_ratio_c: Optional[float] = 3.0, kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
               weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """The Flow-GRPO loss (to MINIMISE) and its statistics.
-
-    One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA under pi_theta, pi_old, pi_ref; adv_B its A_i.
-    weights: precomputed aggregation_weights for these rows (micro-batches of a bigger minibatch); by default
-    they are computed from `agg` and traj_ids over this batch alone.
+    """The Flow-GRPO loss (to MINIMISE) and its statistics. One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA
+    under pi_theta, pi_old, pi_ref; adv_B its A_i. weights: precomputed aggregation_weights for these rows
+    (micro-batches of a bigger minibatch); by default computed from `agg` and traj_ids over this batch alone.
     Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
     region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
     smaller one and the gradient flows - so the clip never shields a move that makes things worse.
     clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
-    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update.
-    """
+    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update."""
     mask_BA = mask_BA.bool()
     w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
     # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
@@ -2218,9 +2206,8 @@ def has_signal(rows: list[Row], cfg: Config) -> bool:
 def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
     sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
-    the update's forward IS pi_old: old_logp stays None. pi_ref (adapter off): only for a KL term. Both are computed
-    in the first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (padding, kernels),
-    so other chunks would give ratios != 1 and a KL > 0 before any update."""
+    the update's forward IS pi_old (old_logp stays None). pi_ref (adapter off): only for a KL term. Both come from the
+    first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1, KL > 0 at once)."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
         return
