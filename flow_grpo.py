@@ -33,17 +33,17 @@ WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO
     12 update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
   Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
   9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
-  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary.
+  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary;
+  in sample_actions U distinct prompts, R rows still decoding, L columns so far.
 
-SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance.
---sft-steps N first fits the planner by cross-entropy on action tokens (action_logprobs, its own AdamW) to
-format-only plans with a random tool; GRPO starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
+SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance:
+--sft-steps N first fits format-only plans with a random tool (cross-entropy); GRPO then learns WHICH tool from reward.
 
 HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
     python prepare_data.py && python flow_grpo.py   # fetch the data; train Qwen2.5-1.5B-Instruct's planner on one GPU
     python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
     python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
-    python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on arithmetic ('smoke': tiny)
+    python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on the tools task ('smoke': tiny)
 
 DELIBERATE SIMPLIFICATIONS (and why)
   * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
@@ -547,8 +547,7 @@ class SchemaMask:
 class LocalEngine(Engine):
     """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
-    JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts; whoever gets the lock serves
-    the whole queue in one batch (concurrent tool threads share one generate())."""
+    JSON unfinished at the token limit gives "". Calls queue; whoever gets the lock serves them all in one batch."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
@@ -664,9 +663,8 @@ class JudgeVerdict(BaseModel):
 
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
-    """A tool result made JSON-safe and short: containers walked (their first max_items entries, then how many more),
-    other objects repr()'d, strings cut ('xxx...'), a huge integer replaced by its size: one step must not fill the
-    planner's context, nor break json.dumps (which refuses integers of more than 4,300 digits, ~14,300 bits)."""
+    """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
+    strings cut): one step must not fill the planner's context, nor break json.dumps (no integers over 4,300 digits)."""
     if isinstance(obj, int) and obj.bit_length() > min(3 * max_chars, 14_000):  # 3 bits ~ a digit
         return f"(an integer of {obj.bit_length()} bits)"
     if obj is None or isinstance(obj, (bool, int, float)):
@@ -1390,9 +1388,8 @@ def timed(timings: Optional[dict], key: str):
 
 
 def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
-    """Per plan, the executor's arguments for its tool, decoded under the tool's own input model (one batch per tool),
-    or None. The schema is the arguments alone: a call can neither name another tool nor invent or nest arguments,
-    and a small model that has just written a forced "tool_name" copies that name into the arguments."""
+    """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
+    Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them."""
     calls: list[Optional[dict]] = [None] * len(live)
     todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
     for name in sorted({plans[i].tool_name for i in todo}):
@@ -2131,8 +2128,7 @@ class Row:
 def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
                unit: str = "trajectory") -> list[Row]:
     """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
-    unit='turn' (--adv-unit, AgentFlow's verl code): each turn-row is a sample of its trajectory's group with its
-    trajectory's reward, so long trajectories weigh more in the mean and std (the paper: over the G trajectories)."""
+    unit='turn' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
     turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
     if unit == "turn":
         adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
@@ -2360,9 +2356,8 @@ def trim_jsonl(path: Path, max_step: int) -> None:
 
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
-    """For --eval's last line and the step metrics: planner turns, plans parsed, calls asked of the executor (plans
-    naming a real tool; tool:<name> per tool) and valid in their tool's schema, and the frozen roles' structured
-    outputs (an analysis per question, a call per request, a verdict per turn asked) and how many parsed."""
+    """For --eval's last line and the step metrics: turns, plans parsed, calls asked (tool:<name> per tool) and valid
+    in their schema, and the frozen roles' structured outputs (analysis, calls, verdicts asked) and how many parsed."""
     c = Counter()
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
