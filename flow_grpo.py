@@ -84,9 +84,7 @@ import prepare_data  # writes the parquet files (and builds the presets' offline
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
 
-# =====================================================================================================
-# 2. Config
-# =====================================================================================================
+# ======== 2. Config ==================================================================================
 
 def arg(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
@@ -245,9 +243,7 @@ def log(msg: str) -> None:
     """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
     print(terminal_safe(msg), file=sys.stderr, flush=True)
 
-# =====================================================================================================
-# 3. LLM engines: one interface that returns text, or a validated pydantic object
-# =====================================================================================================
+# ======== 3. LLM engines: one interface that returns text, or a validated pydantic object ============
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
@@ -588,9 +584,7 @@ class LocalEngine(Engine):
                          for r, t in enumerate(texts)]
         return outs
 
-# =====================================================================================================
-# 4. Structured outputs: what each role must answer
-# =====================================================================================================
+# ======== 4. Structured outputs: what each role must answer ==========================================
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
 
 class QueryAnalysis(BaseModel):
@@ -622,9 +616,7 @@ class JudgeVerdict(BaseModel):
     analysis: str = Field(description="compare the two answers briefly")
     correct: bool = Field(description="true if the answer is equivalent to the ground truth")
 
-# =====================================================================================================
-# 5. Memory
-# =====================================================================================================
+# ======== 5. Memory ==================================================================================
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
     """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
@@ -666,9 +658,7 @@ class Memory:
             texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
         return " ".join(texts)[-max_chars:]
 
-# =====================================================================================================
-# 6. Tools
-# =====================================================================================================
+# ======== 6. Tools ===================================================================================
 # A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
 # learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
@@ -1236,9 +1226,7 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
         tools[WikipediaTool.name].corpus = wiki_corpus
     return tools
 
-# =====================================================================================================
-# 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
-# =====================================================================================================
+# ======== 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
 # solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
 # rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
 
@@ -1400,9 +1388,7 @@ def format_trajectory(st: AgentState) -> str:
         lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
-# =====================================================================================================
-# 8. Rollout with log-prob capture
-# =====================================================================================================
+# ======== 8. Rollout with log-prob capture ===========================================================
 # Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
 # logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
 # penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
@@ -1507,9 +1493,7 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
                        tools=tools, **agent_options(cfg), timings=timings)
 
-# =====================================================================================================
-# 9. Judge reward
-# =====================================================================================================
+# ======== 9. Judge reward ============================================================================
 # The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, math-verify
 # (10^{3} = 1000, sets in any order), then a claim in a short sentence ('The largest planet is Jupiter.'). What needs
 # the question or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL characters are
@@ -1751,9 +1735,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
                                schema=JudgeVerdict)
     return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
-# =====================================================================================================
-# 10. Group advantages
-# =====================================================================================================
+# ======== 10. Group advantages =======================================================================
 
 def group_members(group_ids) -> list[list[int]]:
     """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
@@ -1782,9 +1764,7 @@ def zero_std_frac(rewards, group_ids) -> float:
     r, groups = [float(x) for x in rewards], group_members(group_ids)
     return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
 
-# =====================================================================================================
-# 11. The clipped-ratio loss with k3 KL
-# =====================================================================================================
+# ======== 11. The clipped-ratio loss with k3 KL ======================================================
 # Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
 # a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
 # losses add up to the minibatch loss, whatever the micro-batch size.
@@ -1843,9 +1823,7 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
                  "tokens": int(mask_BA.sum().item())}
     return loss, stats
 
-# =====================================================================================================
-# 12. Training
-# =====================================================================================================
+# ======== 12. Training ===============================================================================
 
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -2478,9 +2456,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         curve.append(sum(rewards) / len(rewards))
     return curve
 
-# =====================================================================================================
-# 13. Evaluation and the command line
-# =====================================================================================================
+# ======== 13. Evaluation and the command line ========================================================
 
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
