@@ -33,63 +33,36 @@ WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO
     12 update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
   Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
   9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
-  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary.
+  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary;
+  in sample_actions U distinct prompts, R rows still decoding, L columns so far.
 
-SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance.
---sft-steps N first fits the planner by cross-entropy on action tokens (action_logprobs, its own AdamW) to
-format-only plans with a random tool; GRPO starts from that adapter (checkpoint-0) and learns WHICH tool from reward.
+SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance:
+--sft-steps N first fits format-only plans with a random tool (cross-entropy); GRPO then learns WHICH tool from reward.
 
 HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
     python prepare_data.py && python flow_grpo.py   # fetch the data; train Qwen2.5-1.5B-Instruct's planner on one GPU
     python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
     python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
-    python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on arithmetic ('smoke': tiny)
+    python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on the tools task ('smoke': tiny)
 
 DELIBERATE SIMPLIFICATIONS (and why)
   * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
     the policy's *frozen base* (adapter off), in-process; --fixed-base-url sends them to a bigger model's server.
   * Rollouts sample exactly softmax(logits / T) in our own loop, so the stored log-probs are the behaviour policy's
     (generate() applies the hub config's top-k/top-p/penalties). At scale: vLLM and --old-logprobs recompute.
-  * The rule judge (answer extraction, exact numbers, normalised text, math-verify) is the default reward; an
-    LLM judge is optional and falls back to the rule whenever it fails.
+  * Reward: the rule judge (answer extraction, numbers, normalised text, math-verify); --judge llm falls back to it.
   * The frozen roles decode under their JSON schema (llguidance in-process, response_format on a server); the
     planner never does: its log-probs must be those of the distribution it samples from.
-  * LoRA dropout is 0 by default: dropout makes the training forward pass stochastic, so pi/pi_old would not be 1
-    before any update and the clip would fire on noise.
+  * LoRA dropout 0: a stochastic training forward would make pi/pi_old != 1 before any update (the clip fires on noise).
   * The executor emits a JSON tool call validated against the tool's input schema; model-written code only runs
     in a sandboxed subprocess (run_python). No Google search (a proprietary SDK): Wikipedia and web-page RAG, BM25.
 """
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures
-import contextlib
-import dataclasses
-import fcntl
-import functools
-import hashlib
-import http.server
-import importlib.util
-import inspect
-import json
-import logging
-import math
-import os
-import random
-import re
-import resource
-import select
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import textwrap
-import threading
-import time
-import urllib.parse
-import warnings
+import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, http.server, importlib.util
+import inspect, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
+import textwrap, threading, time, urllib.parse, warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -111,15 +84,11 @@ import prepare_data  # writes the parquet files (and builds the presets' offline
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
 
-# =====================================================================================================
-# 2. Config
-# =====================================================================================================
-
+# ======== 2. Config ==================================================================================
 
 def arg(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
     return field(default=default, metadata={"help": help})
-
 
 @dataclass
 class Config:
@@ -199,17 +168,15 @@ class Config:
     log_rollouts: int = arg(2, "full trajectories written to rollouts.jsonl per step")
     resume: bool = arg(False, "continue from the newest checkpoint in --output-dir")
 
-
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task (prepare_data.py): arithmetic -> Python, lookups -> Wikipedia over the corpus,
-    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. A small lr, T = 1 and a question
-    # of each kind per step on average: with fewer questions a single Adam step moved every plan to one tool, and
-    # the groups never varied again (README). Micro-batches of 2: CPU attention with a padding mask holds
-    # [rows, heads, P, P] per layer for the backward.
+    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. A small lr, T = 1 and about one
+    # question of each kind per step keep one Adam step from moving every plan onto one tool (README). Micro-batches
+    # of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer for the backward.
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
@@ -224,16 +191,13 @@ CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_un
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
            "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
 
-
 def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
-
 
 def agent_options(cfg: Config) -> dict:
     """The agent loop's knobs (solve_batch's keyword arguments) from the config."""
     return dict(max_turns=cfg.max_turns, verify=cfg.verify, memory_chars=cfg.memory_chars,
                 tool_workers=cfg.tool_workers)
-
 
 def build_parser() -> argparse.ArgumentParser:
     """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
@@ -245,7 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + f.name.replace("_", "-"), default=argparse.SUPPRESS,
                        help=f"{f.metadata['help']} (default: {f.default!r})", **how)
     return p
-
 
 def parse_config(argv: Optional[list[str]] = None) -> Config:
     """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
@@ -269,33 +232,25 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
             parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
     return cfg
 
-
 # Model and tool text reaches terminals and logs: its control characters (ESC, C1's CSI: sequences that rewrite the
 # screen) and bidi overrides (text shown in another order than it reads) are written as escapes.
 _UNSAFE_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
-
 def terminal_safe(text: str) -> str:
     return _UNSAFE_CHARS.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
-
 
 def log(msg: str) -> None:
     """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
     print(terminal_safe(msg), file=sys.stderr, flush=True)
 
-
-# =====================================================================================================
-# 3. LLM engines: one interface that returns text, or a validated pydantic object
-# =====================================================================================================
+# ======== 3. LLM engines: one interface that returns text, or a validated pydantic object ============
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
-
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     """Model text -> `schema` instance, or None; never raises. Strict JSON first (the text, its last ```json
     fence, its outermost {...} span), then json_repair: single quotes, trailing commas, truncation, prose; of
     several objects (an example or an echoed memory step first) the last valid one."""
     import json_repair
-
     if isinstance(text, schema):
         return text
     if not isinstance(text, str) or not text.strip():
@@ -316,7 +271,6 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
                     return schema.model_validate(o)
     return None
 
-
 def schema_instruction(schema: type[BaseModel]) -> str:
     """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
     spec = schema.model_json_schema()
@@ -324,9 +278,7 @@ def schema_instruction(schema: type[BaseModel]) -> str:
              f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
-
 USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
-
 
 def usage(**add: float) -> Counter:
     """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
@@ -334,7 +286,6 @@ def usage(**add: float) -> Counter:
     with _USAGE_LOCK:
         USAGE.update(add)
         return USAGE.copy()
-
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -359,50 +310,46 @@ class Engine:
     def _complete(self, prompts: list[str], max_tokens: int, schema: Optional[type[BaseModel]]) -> list[str]:
         raise NotImplementedError
 
-
-def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore] = None) -> concurrent.futures.Future:
-    """fn() in a daemon thread (once one of `slots` is free): its Future. Python cannot kill a thread but can stop
-    waiting for one, and a daemon never blocks exit (a ThreadPoolExecutor's threads are joined there)."""
+def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore] = None,
+                     deadline: float = math.inf) -> concurrent.futures.Future:
+    """fn() in a daemon thread once one of `slots` is free (None if that is after `deadline`, a time.monotonic()):
+    its Future. Python cannot kill a thread but can stop waiting for one, and a daemon never blocks exit."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def work() -> None:
         with slots or contextlib.nullcontext():
             try:
-                future.set_result(fn())
+                future.set_result(fn() if time.monotonic() < deadline else None)
             except BaseException as e:  # re-raised by future.result(), in the waiting thread
                 future.set_exception(e)
 
     threading.Thread(target=work, daemon=True).start()
     return future
 
-
 def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semaphore, timeout_s: float, what: str,
                    progress_s: float = 30.0) -> list:
     """[fn(item) for item in items] in daemon threads, at most `slots` at once; a call that raises or is not done
     within timeout_s in all gives None. A long wait logs progress: slow, not a silent stall."""
     t0 = time.monotonic()
-    call = lambda item: fn(item) if time.monotonic() < t0 + timeout_s else None  # its slot freed too late: skip it
-    pending = futures = [in_daemon_thread(functools.partial(call, item), slots) for item in items]
-    while pending and (left := t0 + timeout_s - time.monotonic()) > 0:
+    futures = [in_daemon_thread(functools.partial(fn, item), slots, deadline=t0 + timeout_s) for item in items]
+    while (left := t0 + timeout_s - time.monotonic()) > 0:
         done, pending = concurrent.futures.wait(futures, timeout=min(left, progress_s))
-        if pending:
-            log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
-                f"(the rest is abandoned at {timeout_s:.0f} s)")
+        if not pending:
+            break
+        log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
+            f"(the rest is abandoned at {timeout_s:.0f} s)")
     return [f.result() if f.done() and not f.exception() else None for f in futures]
 
-
 class OpenAIEngine(Engine):
-    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp's servers, OpenAI). Structured output steps down MODES
-    once, for all threads, at a refusal (an error body naming response_format, json_schema or json_object); the prompt
-    always carries the schema. Requests run in threads, retried with backoff on connection errors, 429 and 5xx (not on
-    a timeout); one that fails anyway gives "" (None for a schema), counted in `failures`: a run must not end there."""
+    """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp, OpenAI). A refusal of response_format steps MODES down
+    once, for all threads; the prompt always carries the schema. Requests run in threads, retried with backoff on
+    connection errors, 429 and 5xx (not a timeout); one that fails anyway gives "" (None for a schema), counted."""
     MODES = ("json_schema", "json_object", "prompt")  # structured output, best first
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0,
                  phase_timeout_s: float = 300.0, max_retries: int = 3, backoff_s: float = 0.5, workers: int = 16,
                  max_tokens: int = 512, temperature: float = 0.0):
         from openai import OpenAI
-
         self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",  # vLLM takes any key
                               timeout=timeout_s, max_retries=0)  # the key stays in here; retries are ours
         self.base_url, self.model, self.max_retries, self.backoff_s = base_url, model, max_retries, backoff_s
@@ -420,7 +367,6 @@ class OpenAIEngine(Engine):
     def _one(self, prompt: str, max_tokens: int, schema) -> Optional[str]:
         """One request, retried where that can help: its text, or None. Never raises."""
         import openai
-
         attempt = 0
         while True:
             mode = self.mode if schema is not None else "prompt"
@@ -460,23 +406,19 @@ class OpenAIEngine(Engine):
             self._logged.add(kind)
             log(f"[engine] {self.base_url}: {what[:300]} (later ones of this kind are only counted)")
 
-
 def render_chat(tokenizer, prompt: str) -> str:
     """A user message in the model's own chat template, ending where the assistant's reply begins."""
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
 
-
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-
 
 # One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
 # model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
 # late, would switch the adapter off under the planner's sampling or the update (base log-probs, no LoRA gradient).
 MODEL_LOCK = threading.Lock()
-
 
 # The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
 TINY_CORPUS = """You are the planner of a problem-solving agent. Choose the single best next step. Question: What is
@@ -491,13 +433,11 @@ true, false. You are the executor, the verifier. Is the memory enough to answer 
 the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
 """
 
-
 def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
     preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # from the 256 bytes: any text encodes
@@ -519,7 +459,6 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # as from_pretrained: RoPE frequencies in fp32
     return model.eval(), tokenizer  # generation_config takes eos and pad from the config
 
-
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     """llguidance's grammar for `schema`: compact JSON, no extra keys, strings and lists capped (else a model that
     never closes a string never finishes); caps only shorten, so what fits is valid under the schema itself."""
@@ -533,13 +472,11 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
 
-
 @functools.cache
 def schema_matcher(ll_tokenizer, schema: type[BaseModel], max_chars: int) -> llguidance.LLMatcher:
     """A matcher never advanced, for rows to deep_copy: the copies share the lexer states that it builds lazily (and
     keep them from call to call), instead of each compiling the grammar and building the same states again."""
     return llguidance.LLMatcher(ll_tokenizer, json_grammar(schema, max_chars))
-
 
 class SchemaMask:
     """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
@@ -575,12 +512,10 @@ class SchemaMask:
         scores_BV[list(self.matchers), T:] = float("-inf")  # a model's vocab padded beyond the tokenizer's: closed
         return scores_BV
 
-
 class LocalEngine(Engine):
     """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
-    JSON unfinished at the token limit gives "" (invalid). Each call queues its prompts and whoever gets the lock
-    serves the whole queue in one batch (16 tool threads on CPU: SmolLM2 5-8x faster than one at a time)."""
+    JSON unfinished at the token limit gives "". Calls queue; whoever gets the lock serves them all in one batch."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
@@ -588,7 +523,7 @@ class LocalEngine(Engine):
         self.max_tokens, self.batch_size = max_tokens, batch_size
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._queue_lock = threading.Lock()
-        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use (~1 s)
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use
 
     def _complete(self, prompts, max_tokens, schema):
         mine: concurrent.futures.Future = concurrent.futures.Future()
@@ -649,12 +584,8 @@ class LocalEngine(Engine):
                          for r, t in enumerate(texts)]
         return outs
 
-
-# =====================================================================================================
-# 4. Structured outputs: what each role must answer
-# =====================================================================================================
+# ======== 4. Structured outputs: what each role must answer ==========================================
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
-
 
 class QueryAnalysis(BaseModel):
     """First step: what the question asks and which skills and tools may help."""
@@ -662,7 +593,6 @@ class QueryAnalysis(BaseModel):
     required_skills: str = Field(description="skills needed to answer it")
     relevant_tools: str = Field(description="which of the available tools may help, and why")
     additional_considerations: str = Field(default="", description="traps, units, answer format")
-
 
 class NextStep(BaseModel):
     """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
@@ -672,33 +602,25 @@ class NextStep(BaseModel):
     sub_goal: str = Field(description="what this one step must achieve")
     tool_name: str = Field(description="exactly one tool name from the list")
 
-
 class Verification(BaseModel):
     """The verifier's verdict after each step."""
     analysis: str = Field(description="is the question fully answered by the memory? what is missing?")
     stop_signal: bool = Field(description="true to STOP and answer now, false to CONTINUE")
 
-
 class TitleSelection(BaseModel):
     """Wikipedia tool: which search results to read."""
     titles: list[str] = Field(description="up to 3 page titles copied exactly from the candidate list")
-
 
 class JudgeVerdict(BaseModel):
     """LLM judge: is the final answer equivalent to the ground truth?"""
     analysis: str = Field(description="compare the two answers briefly")
     correct: bool = Field(description="true if the answer is equivalent to the ground truth")
 
-
-# =====================================================================================================
-# 5. Memory
-# =====================================================================================================
-
+# ======== 5. Memory ==================================================================================
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
-    """A tool result made JSON-safe and short: containers walked (their first max_items entries, then how many more),
-    other objects repr()'d, strings cut ('xxx...'), a huge integer replaced by its size: one step must not fill the
-    planner's context, nor break json.dumps (which refuses integers of more than 4,300 digits, ~14,300 bits)."""
+    """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
+    strings cut): one step must not fill the planner's context, nor break json.dumps (no integers over 4,300 digits)."""
     if isinstance(obj, int) and obj.bit_length() > min(3 * max_chars, 14_000):  # 3 bits ~ a digit
         return f"(an integer of {obj.bit_length()} bits)"
     if obj is None or isinstance(obj, (bool, int, float)):
@@ -711,7 +633,6 @@ def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
         return [json_safe(v, max_chars, max_items) for v in list(obj)[:max_items]] + more
     text = obj if isinstance(obj, str) else repr(obj)
     return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
-
 
 @dataclass
 class Memory:
@@ -728,8 +649,7 @@ class Memory:
         return json.dumps(steps, indent=1, ensure_ascii=False) if steps else "(no steps yet)"
 
     def findings(self, max_chars: int = 500) -> str:
-        """What earlier steps found, as plain sentences (page summaries, program outputs, answers): the notes a
-        tool that reads the memory gets (Tool.reads_memory)."""
+        """What earlier steps found (page summaries, program outputs, answers) as plain text, for Tool.reads_memory."""
         texts = []
         for step in self.steps:
             r = step["result"]
@@ -738,14 +658,9 @@ class Memory:
             texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
         return " ".join(texts)[-max_chars:]
 
-
-# =====================================================================================================
-# 6. Tools
-# =====================================================================================================
-# A tool has two faces: describe(), the contract the planner and the executor read (part of what the policy learns:
-# short, concrete, stable), and run(), which never crashes the rollout: an error becomes a value the planner can
-# react to ("timed out", "no page"). First the building blocks: the sandbox, wall-clock timeouts, retrieval.
-
+# ======== 6. Tools ===================================================================================
+# A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
+# learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
 # --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
 #   layer                 | what it stops                                     | how
@@ -786,7 +701,6 @@ exec 2>/dev/null; cd /; umount -l "$run"; rmdir "$run"; for cg in $cgs; do  # (t
   for i in $(seq 200); do rmdir "$cg" && break; sleep 0.005; done; done; exit $rc  # a killed task leaves late
 """
 
-
 def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
     """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits, runs the
     snippet from code_fd (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
@@ -816,10 +730,8 @@ def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
         pass
     os.write(int(status_fd), str(reaped[1]).encode())
 
-
 # Read once, at import: inspect reads the file on disk, which its user may be editing while a run goes on.
 _SANDBOX_INIT_SOURCE = f"import sys\n{inspect.getsource(_sandbox_init)}_sandbox_init(*sys.argv[1:])"
-
 
 def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop."""
@@ -833,7 +745,6 @@ def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig=TERM", "--", *outer, "--mount", "--net", "--ipc", "/bin/sh", "-c", _JAIL_SETUP,
             "sh", " ".join(cgroups), *_SANDBOX_READ_ONLY, "--", unshare, "--pid", "--fork", "--kill-child",
             "--mount-proc", "--root=.", "--wd=/tmp", *drop]
-
 
 def _make_cgroups(memory_mb: int) -> list[str]:
     """New cgroups capping memory (swap too) and processes: in ours (v1 memory, pids), else beside it (v2)."""
@@ -849,7 +760,6 @@ def _make_cgroups(memory_mb: int) -> list[str]:
         Path(path, name).write_text(str(limits[name]))
     return made
 
-
 def _read_capped(fd: int, max_chars: int, head: bool) -> str:
     """The first (stdout: the answer) or last (stderr: the error) max_chars characters, bounded reads."""
     size, n = os.fstat(fd).st_size, 4 * max_chars  # UTF-8 takes at most 4 bytes per character
@@ -858,7 +768,6 @@ def _read_capped(fd: int, max_chars: int, head: bool) -> str:
         return text
     note = f"[output truncated, {size} bytes in total]"
     return f"{text[:max_chars]}\n...{note}" if head else f"{note}...\n{text[-max_chars:]}"
-
 
 def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, stderr: str) -> Optional[str]:
     """One short line for the planner/verifier from the return code rc; None means "ran cleanly"."""
@@ -869,9 +778,10 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     if rc < 0:  # a real signal death, from a wait status (not guessed from an exit code); SIGXCPU says "CPU"
         hint = ", likely memory limit" if rc == -signal.SIGKILL else ""
         return f"killed by signal {-rc} ({signal.strsignal(-rc)}{hint})"
+    if rc == 0:
+        return None
     lines = stderr.strip().splitlines()  # the last line of a traceback is "ExceptionName: message"
-    return None if rc == 0 else lines[-1].strip()[:500] if lines else f"exited with code {rc}"
-
+    return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
 def _remove_cgroups(made: list[str]) -> None:
     """What the jail's shell left (it was killed): kill every task in a cgroup, whatever its group, then rmdir."""
@@ -886,7 +796,6 @@ def _remove_cgroups(made: list[str]) -> None:
                 time.sleep(0.01)
         if os.path.isdir(path):
             log(f"sandbox: could not remove the cgroup {path}")
-
 
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool, cgroups: bool) -> dict:
     out_fd, err_fd, status_fd, code_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status", "code"))
@@ -929,7 +838,6 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
     return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": rc,
             "error": _describe_failure(rc, timed_out, timeout_s, overflow, stderr)}
 
-
 def sandbox_missing_layers() -> list[str]:
     """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
     with a snippet that checks them: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
@@ -952,7 +860,6 @@ def sandbox_missing_layers() -> list[str]:
                 log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]
 
-
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
@@ -963,7 +870,6 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
         return {"stdout": "", "stderr": "", "error": f"sandbox failure: {type(e).__name__}: {e}",
                 "timed_out": False, "returncode": None}
 
-
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -973,14 +879,11 @@ def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kw
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"timed out after {float(timeout_s)} s") from None
 
-
 def _short_error(e: BaseException, max_chars: int = 300) -> str:
     """'TypeName: message' on one bounded line: what tools put in {"error": ...}."""
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
-
-# --- Retrieval: a prompt holds a few passages, not a page: overlapping word windows, the best ones kept, ranked by
-# BM25 (the default: no model, no API key) or by embeddings.
+# --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key) or embeddings.
 
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
@@ -991,11 +894,9 @@ def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     starts = range(0, max(len(words) - overlap, 1), size - overlap)  # a later start: a window inside the one before
     return [" ".join(words[s:s + size]) for s in starts] if words else []
 
-
 def tokenize(text: str) -> list[str]:
     """Lowercase word tokens in any script: "Curie's 2 Nobel-Prizes" -> ['curie', 's', '2', 'nobel', 'prizes']."""
     return re.findall(r"[^\W_]+", text.lower())
-
 
 def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75) -> list[float]:
     """Okapi BM25 score of each chunk for the query:
@@ -1014,12 +915,10 @@ def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75)
                 scores[i] += idf * d[term] * (k1 + 1) / (d[term] + k1 * (1 - b + b * lengths[i] / avg_len))
     return scores
 
-
 def bm25_top_k(query: str, chunks: list[str], k: int = 5) -> list[int]:
     """Indices of the k chunks that best match the query under BM25, best first, ties to the lower index."""
     scores = bm25_scores(query, chunks)
     return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:max(0, k)]
-
 
 def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str, batch_size: int = 64) -> list[int]:
     """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an openai.OpenAI client."""
@@ -1031,7 +930,6 @@ def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: s
     q = vectors[0]
     cosines = [sum(a * b for a, b in zip(q, v)) / (math.hypot(*q) * math.hypot(*v) or 1.0) for v in vectors[1:]]
     return sorted(range(len(chunks)), key=lambda i: (-cosines[i], i))[:k]
-
 
 # --- Tool base class
 
@@ -1073,13 +971,10 @@ class Tool:
             raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
         return self.run(args, findings) if self.reads_memory else self.run(args)
 
-
 def tool_input(name: str, **fields: str) -> type[BaseModel]:
-    """A tool's input model: these non-empty strings, each described to the executor. extra="forbid": a misspelt key
-    ("querry") is named, not dropped and then reported missing."""
+    """A tool's input model: non-empty strings described to the executor; extra="forbid" names a misspelt key."""
     return create_model(name, __config__=ConfigDict(extra="forbid"),
                         **{k: (str, Field(min_length=1, description=d)) for k, d in fields.items()})
-
 
 class RAGTool(Tool):
     """Retrieval: a text -> overlapping word windows -> the top_k best -> an answer written from them only."""
@@ -1102,7 +997,6 @@ class RAGTool(Tool):
                 f"If the passages do not answer the query, {if_unanswered}.\n\n"
                 f"Query: {query}\n\nPassages:\n{numbered}\n\nAnswer:")
 
-
 # --- Generalist: the LLM itself, answering step by step
 
 class GeneralistTool(Tool):
@@ -1119,7 +1013,6 @@ class GeneralistTool(Tool):
                   f"starts with 'Answer:'.\n\nQuery: {args.query}")
         return self.engine.ask(prompt, max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
-
 # --- Python coder: the LLM writes a program, the sandbox runs it
 
 class PythonCoderTool(Tool):
@@ -1130,7 +1023,7 @@ class PythonCoderTool(Tool):
                                                        "every number and value it needs")
     limitations = ("Python standard library only; no internet, files or user input; a few seconds of run time; "
                    "the program is written by a language model and can be wrong.")
-    # No example task here: SmolLM2-135M pasted one verbatim into every call.
+    # No example task: a small model pastes it into every call.
     tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
             "with every number it needs.")
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
@@ -1139,8 +1032,7 @@ class PythonCoderTool(Tool):
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
     def run(self, args: Any, findings: str = "") -> dict:
-        # Short on purpose: a small model follows one plain sentence better than a list of rules ("compute {query}"
-        # made it name a function after the query: def compute_13*65()). The sandbox keeps the code harmless.
+        # One plain sentence: a small model follows it better than rules. The sandbox keeps the code harmless.
         prompt = ((f"Facts found so far: {findings}\n" if findings else "") +
                   f"Write a Python program that prints the result of: {args.query}\n"
                   "Reply with the program in one ```python block.")
@@ -1157,7 +1049,6 @@ class PythonCoderTool(Tool):
         return {"code": code, "stdout": result["stdout"],
                 "error": "the program printed nothing; it must print the answer" if silent else result["error"]}
 
-
 # --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
 
 def _fetch_wikipedia_page(title: str) -> dict:
@@ -1172,7 +1063,6 @@ def _fetch_wikipedia_page(title: str) -> dict:
         return {"title": title, "error": f"no Wikipedia page titled '{title}'"}
     except Exception as e:  # a network failure
         return {"title": title, "error": _short_error(e)}
-
 
 class WikipediaTool(RAGTool):
     name = "Wikipedia_RAG_Search_Tool"
@@ -1234,13 +1124,11 @@ class WikipediaTool(RAGTool):
             page["summary"] = summary
         return {"query": query, "pages": pages, **({} if read else {"error": "none of the pages could be read"})}
 
-
 # --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
 # A model-chosen URL reaches whatever this host can (localhost, cloud metadata): only http(s) here; production should
 # also refuse private and loopback addresses (the tests' stand-in servers listen on loopback).
 
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
-
 
 def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
     """GET url: (at most max_bytes of body, content type), streamed 64 KB at a time so a 10 GB file costs 2 MB.
@@ -1260,7 +1148,6 @@ def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, st
                 raise TimeoutError(f"download took longer than {float(timeout_s)} s")
     return bytes(body[:max_bytes]), content_type
 
-
 def page_text(body: bytes, content_type: str) -> str:
     """Visible text of an HTML page, or the decoded text body; whitespace collapsed to single spaces. The header's
     charset comes first (as in browsers), then an HTML page's <meta charset> or a guess, a text body's UTF-8."""
@@ -1277,7 +1164,6 @@ def page_text(body: bytes, content_type: str) -> str:
         except LookupError:  # a charset name Python does not know
             text = body.decode("utf-8", errors="replace")
     return " ".join(text.split())
-
 
 class WebRAGTool(RAGTool):
     name = "Web_RAG_Search_Tool"
@@ -1304,15 +1190,12 @@ class WebRAGTool(RAGTool):
         return self.engine.ask(self.grounded_prompt(args.query, text, f"the web page {args.url}"),
                                max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
-
 # --- Registry
 
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
-
 def read_corpus(path: str) -> dict[str, str]:
-    """--wiki-corpus: a JSONL file, one {"title": ..., "text": ...} page per line -> {title: text}. A file that is
-    missing or malformed is one error line naming the line, before any model loads."""
+    """--wiki-corpus: JSONL {"title", "text"} pages -> {title: text}; a bad file is one error line naming the line."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -1330,12 +1213,10 @@ def read_corpus(path: str) -> dict[str, str]:
         raise SystemExit(f"error: --wiki-corpus {path} holds no page")
     return pages
 
-
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None,
                wiki_corpus: Optional[dict[str, str]] = None) -> dict[str, Tool]:
-    """Tools by name, each with the options every tool takes; the retrieval tools also get the embeddings, and the
-    Wikipedia tool its offline corpus when one is given."""
+    """Tools by name with the common options; the retrieval tools also get the embeddings, Wikipedia its corpus."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     rag = {"embed_client": embed_client, "embed_model": embed_model}
@@ -1345,22 +1226,16 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
         tools[WikipediaTool.name].corpus = wiki_corpus
     return tools
 
-
-# =====================================================================================================
-# 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer
-# =====================================================================================================
+# ======== 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
 # solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
 # rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
-
 
 def describe_tools(tools: dict) -> str:
     return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
 
-
 def analysis_prompt(question: str, tools: dict) -> str:
     return (f"You are the analyst of a problem-solving agent. Study the question before any tool is used.\n\n"
             f"Question: {question}\n\nAvailable tools:\n{describe_tools(tools)}")
-
 
 def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
     """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
@@ -1372,25 +1247,21 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
             f"can reach now; build on the memory instead of repeating a step that already worked."
             + schema_instruction(NextStep))
 
-
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
-    # The question last, nearest the reply: SmolLM2-135M then copied the task into the call 24/24 times (else 18/24)
+    # The question last, nearest the reply: a small executor then copies the task into the call
     return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
             f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
             f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
-
 
 def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
     return (f"You are the verifier of a problem-solving agent. Decide whether the memory below already "
             f"holds enough verified information to answer the question correctly.\n\nQuestion: {question}\n\n"
             f"Query analysis: {analysis}\n\nMemory:\n{memory.to_text()}")
 
-
 def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first: with them last SmolLM2-135M answered 5 of 24 (it listed steps of its own), in this order 20 of 24
+    # Steps first: with them last, a small model lists steps of its own instead of answering
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
-
 
 @dataclass
 class Turn:
@@ -1401,7 +1272,6 @@ class Turn:
     result: Any  # what the tool returned, or {"error": ...}
     verdict: Optional[Verification] = None  # the verifier's decision after this turn (None: unreadable or not asked)
     planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
-
 
 @dataclass
 class AgentState:
@@ -1414,11 +1284,9 @@ class AgentState:
     final_output: str = ""  # the generator's final text, with <answer>...</answer>
     stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
 
-
 @contextlib.contextmanager
 def timed(timings: Optional[dict], key: str):
-    """Add the seconds spent in the block to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]
-    (where the rollout's time and tokens go)."""
+    """Add the block's seconds to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]."""
     t0, before = time.perf_counter(), usage()
     yield
     if timings is not None:
@@ -1426,11 +1294,9 @@ def timed(timings: Optional[dict], key: str):
         for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
             timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
 
-
 def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
-    """Per plan, the executor's arguments for its tool, decoded under the tool's own input model (one batch per tool),
-    or None. The schema is the arguments alone: a call can neither name another tool nor invent or nest arguments,
-    and a small model that has just written a forced "tool_name" copies that name into the arguments."""
+    """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
+    Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them."""
     calls: list[Optional[dict]] = [None] * len(live)
     todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
     for name in sorted({plans[i].tool_name for i in todo}):
@@ -1441,7 +1307,6 @@ def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict,
         for i, c in zip(rows, made):
             calls[i] = c and c.model_dump()
     return calls
-
 
 def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory: Memory) -> tuple[Optional[dict], Any]:
     """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
@@ -1458,12 +1323,10 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
-
 def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 timings: Optional[dict] = None) -> list[AgentState]:
-    """Run the agent on every question, all trajectories in lockstep. Returns the finished states. verify=False:
-    no verifier, every trajectory takes max_turns turns."""
+    """Run the agent on every question, all trajectories in lockstep; verify=False: always max_turns turns."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
         analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
@@ -1486,8 +1349,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
         with timed(timings, "tools"):
             ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
-                                 slots,
-                                 fixed.phase_timeout_s, "tool calls")
+                                 slots, fixed.phase_timeout_s, "tool calls")
         ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
                      {"error": f"no result within {fixed.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
         # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
@@ -1514,7 +1376,6 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
     return states
 
-
 def format_trajectory(st: AgentState) -> str:
     """A readable trajectory (--ask, rollouts.jsonl); a last turn without a verdict had none asked: no VERIFIER line."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
@@ -1527,14 +1388,10 @@ def format_trajectory(st: AgentState) -> str:
         lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
-
-# =====================================================================================================
-# 8. Rollout with log-prob capture
-# =====================================================================================================
+# ======== 8. Rollout with log-prob capture ===========================================================
 # Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
 # logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
 # penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
-
 
 @dataclass
 class Sample:
@@ -1544,27 +1401,23 @@ class Sample:
     logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
     text: str  # the action decoded, special tokens dropped
 
-
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
 
-
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
                    share_prefill: bool = True) -> list[Sample]:
-    """Batched sampling with a KV cache, recording behaviour log-probs. `prompts` are rendered chat strings.
-
+    """Batched sampling with a KV cache, recording behaviour log-probs; `prompts` are rendered chat strings. The idea,
+    per step: logp = log_softmax(logits / T); token = multinomial(exp(logp)); keep logp[token] (T = 0: argmax, T = 1).
     Prompts are LEFT-padded so that every row's next token is written in the same column:
         ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
-    Position ids come from the mask (cumsum - 1), exactly as the update will compute them (action_logprobs),
-    so both passes see the same positions. temperature == 0 means greedy (log-probs then at T = 1).
+    Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
     share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
-    KV cache copied to its rows, which then sample independently. A row whose action ended leaves batch and cache.
-    """
+    KV cache copied to its rows. R: the rows still decoding (an ended row leaves batch and cache); L: columns so far."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
     enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -1604,19 +1457,15 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                    text=tokenizer.decode(a, skip_special_tokens=True))
             for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
 
-
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
     """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
-
     Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
         [[pad, p0, p1 | a0, a1, pad],
          [q0,  q1, q2 | b0, b1, b2 ]]
-    The token in column P+j is predicted by the logits of column P+j-1, so we need the logits of the last
-    A+1 columns minus the very last one. `logits_to_keep` makes the model apply its LM head to those columns
-    only: with a 152k-token vocabulary, full-sequence logits for a 4k-token prompt would cost gigabytes.
-    The pad id is irrelevant: the mask is built from lengths, and padded logits are never read.
-    """
+    The token in column P+j is predicted by the logits of column P+j-1: we need the logits of the last A+1 columns
+    but the very last. `logits_to_keep` applies the LM head to those only (full-sequence logits of a long prompt over
+    a big vocabulary would not fit). The pad id is irrelevant: the mask comes from lengths; padded logits go unread."""
     device = next(model.parameters()).device
     B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
     ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
@@ -1631,7 +1480,6 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
     logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
 
-
 def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, tools: dict, *, group_size: int,
             timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
@@ -1645,15 +1493,11 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
                        tools=tools, **agent_options(cfg), timings=timings)
 
-
-# =====================================================================================================
-# 9. Judge reward
-# =====================================================================================================
-# The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, then
-# Hugging Face's math-verify for mathematical equivalence (10^{3} = 1000, sets in any order), then a claim in a
-# short sentence ('The largest planet is Jupiter.'). What needs the question (is 'The second largest planet is
-# Jupiter' an answer?) or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL
-# characters are read and no pattern backtracks, so a 1 MB output costs what 4 KB cost.
+# ======== 9. Judge reward ============================================================================
+# The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, math-verify
+# (10^{3} = 1000, sets in any order), then a claim in a short sentence ('The largest planet is Jupiter.'). What needs
+# the question or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL characters are
+# read and no pattern backtracks, so a huge output costs what a short one does.
 ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
 # One spelling for what is written several ways (− ∞ π √ ≤ ≥, subscript digits); $ only delimits math
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
@@ -1671,7 +1515,6 @@ HEDGES = re.compile(r"\b(?:or|nor|either|neither|not|no|never|and|but|than|betwe
                     r"at (?:least|most)|may|might|could|maybe|perhaps|possibly|probably|likely|seems|guess|unsure|"
                     r"unknown|wait|instead|rather|approximately|nearly|almost)\b|n't\b")
 
-
 def last_boxed(text: str) -> Optional[str]:
     """The content of the last \\boxed{...}, braces balanced; None if there is none or it is unclosed."""
     if (start := text.rfind("\\boxed{")) < 0:
@@ -1682,7 +1525,6 @@ def last_boxed(text: str) -> Optional[str]:
         if depth == 0:
             return text[i + 1:j]
     return None
-
 
 def extract_answer(text: str) -> str:
     """The final answer in the last ANSWER_TAIL characters: inside the last <answer> tag (closed or not), else
@@ -1701,13 +1543,11 @@ def extract_answer(text: str) -> str:
         inner = inner.strip().rsplit("\n", 1)[-1]
     return inner.strip(" \t\n*:").rstrip(".* ")
 
-
 def strip_latex(text: str) -> str:
     """Without the LaTeX that does not change a math answer: \\left, \\dfrac, thin spaces, spaces (but one
     between digits: '1 2' is not 12). Signs, brackets and case stay: '(-1, 2)' is not '(1, 2)'."""
     t = re.sub(r"\s+", " ", text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
     return re.sub(r"\\(?:left|right)(?![a-zA-Z])|(?<!\\)\\[!,;: ]|(?<!\d) | (?!\d)", "", t)
-
 
 def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     """'1,234', '-3.5', '2/3', '-\\frac{2}{3}', '50\\%' as an exact Fraction, else None. Thousands separators only
@@ -1729,7 +1569,6 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     except (ValueError, ZeroDivisionError):
         return None
 
-
 def spelled(text: str) -> str:
     """'seven' as '7', 'one million' and '1 million' as '1000000', 'infinity' as '\\infty'; other text as it is."""
     m = re.fullmatch(r"(\S+)(?: (hundred|thousand|million|billion))?", text.strip().lower())  # a word, or a number
@@ -1737,13 +1576,11 @@ def spelled(text: str) -> str:
     scale = {None: 1, "hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
     return text if n is None or m[2] and isinstance(n, str) else str(n * scale[m[2]])
 
-
 def normalize_text(text: str) -> str:
     """SQuAD-style: lower case, no punctuation, no articles, single spaces: 'The Eiffel Tower.' -> 'eiffel tower'.
     A minus stays, a word ('-89.2 °C' isn't '89.2 °C'); thousands commas go ('1,454' is '1454'); 'Mt.' is 'mount'."""
     t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.lower()))
     return " ".join({"mt": "mount"}.get(w, w) for w in re.findall(r"\w+", t) if w not in {"a", "an", "the"})
-
 
 def to_date(text: str) -> Optional[tuple]:
     """'May 18, 2018', '18th of May 2018', '2018-05-18' as (2018, 5, 18); None for anything else ('May 2018')."""
@@ -1756,7 +1593,6 @@ def to_date(text: str) -> Optional[tuple]:
             and numbers[0] <= 31 < 1000 <= numbers[1]:
         return numbers[1], months[0], numbers[0]
     return None
-
 
 # math-verify runs in a `python -c` worker process, killed after SYMPY_TIMEOUT_S: sympy has no time bound
 # ('10^{10^{10}}' never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only.
@@ -1773,7 +1609,6 @@ for line in sys.stdin:
 """
 _math_worker: dict = {}  # "proc": the running worker; calls from several threads take turns (_math_lock)
 _math_lock = threading.Lock()
-
 
 def math_verify_equal(gold: str, pred: str) -> bool:
     """MATH_WORKER's verdict, or False after SYMPY_TIMEOUT_S."""
@@ -1794,7 +1629,6 @@ def math_verify_equal(gold: str, pred: str) -> bool:
                 _math_worker.pop("proc").kill()
                 proc.wait()
         return reply.strip() == "1"
-
 
 def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
     """Numbers exactly (1/3 is not 0.33); dates as (y, m, d); an acronym by its initials ('U.S.'); text
@@ -1832,7 +1666,6 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
         return bool(m) and to_number(m[2]) == g  # 2894' restates the question, '9379 + 2894 = 12273' answers it
     return math_verify_equal(gold, pred)
 
-
 def as_interval(text: str) -> str:
     """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
     text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", text)
@@ -1842,7 +1675,6 @@ def as_interval(text: str) -> str:
     if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
         return f"{'(['[parts[1] != '<']}{parts[0]}, {parts[4]}{')]'[parts[3] != '<']}"
     return text
-
 
 def claimed(pred: str, gold: str) -> bool:
     """The last sentence of pred states gold (answers_match without math-verify) right after one of LINKS, or
@@ -1869,12 +1701,10 @@ def claimed(pred: str, gold: str) -> bool:
             return True
     return False
 
-
 def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) -> float:
     """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases
     (aliases=True: '1945; 1946'), or the parts of ONE math answer (False: 'y = 2' is not 'x = 1; y = 2'); None
-    guesses from the shape: aliases are words. Both sides get one spelling (SPELLINGS, no \\$) and lose \\text{}
-    wrappers: '\\text{Yes}' is 'Yes'."""
+    guesses (aliases are words). Both sides get one spelling (SPELLINGS, no \\$) and lose \\text{...} wrappers."""
     truth, parts = str(ground_truth), str(ground_truth).split("; ")
     if aliases is None:  # words, whole brackets
         aliases = any(re.search(r"(?<![\\a-zA-Z])[a-zA-Z]{2}", p) for p in parts) and all(
@@ -1885,17 +1715,14 @@ def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) 
         for s in [extract_answer(answer), *golds]]
     return float(any(answers_match(pred, g) or claimed(pred, g) for g in golds if g))
 
-
 def judge_prompt(question: str, answer: str, ground_truth: str, aliases: Optional[bool] = None) -> str:
     several = "" if aliases is False else " Several acceptable ground truths are separated by '; '."
     return (f"You grade answers. Decide whether the final answer is equivalent to the ground truth (same value "
             f"or same entity; wording may differ).{several}\n\n"
             f"Question: {question}\nFinal answer: {extract_answer(answer)}\nGround truth: {ground_truth}")
 
-
 # The `source` values of prepare_data.py whose "; " separates acceptable answers (NQ's lists) or never does (math).
 ALIASES_BY_SOURCE = {"nq": True, "mathhard": False, "aime24": False}
-
 
 def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None,
                   sources: Optional[list[str]] = None) -> tuple[list[float], int]:
@@ -1908,20 +1735,14 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
                                schema=JudgeVerdict)
     return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
-
-# =====================================================================================================
-# 10. Group advantages
-# =====================================================================================================
-
+# ======== 10. Group advantages =======================================================================
 
 def group_members(group_ids) -> list[list[int]]:
-    """Row indices per group, ids of any hashable type: ["q1", "q2", "q1"] -> [[0, 2], [1]]. (A tensor is read
-    with .tolist(): its own elements would hash by identity, not value.)"""
+    """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
     members: dict[Any, list[int]] = {}
     for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
         members.setdefault(g, []).append(i)
     return list(members.values())
-
 
 def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
@@ -1938,20 +1759,15 @@ def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6
             adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
     return adv_B
 
-
 def zero_std_frac(rewards, group_ids) -> float:
     """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
     r, groups = [float(x) for x in rewards], group_members(group_ids)
     return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
 
-
-# =====================================================================================================
-# 11. The clipped-ratio loss with k3 KL
-# =====================================================================================================
+# ======== 11. The clipped-ratio loss with k3 KL ======================================================
 # Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
 # a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
 # losses add up to the minibatch loss, whatever the micro-batch size.
-
 
 def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
     """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
@@ -1973,22 +1789,18 @@ def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None)
         return per_row_BA / (turns_B[:, None] * len(trajs))
     raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
 
-
 def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
               mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
               clip_ratio_c: Optional[float] = 3.0, kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
               weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """The Flow-GRPO loss (to MINIMISE) and its statistics.
-
-    One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA under pi_theta, pi_old, pi_ref; adv_B its A_i.
-    weights: precomputed aggregation_weights for these rows (micro-batches of a bigger minibatch); by default
-    they are computed from `agg` and traj_ids over this batch alone.
+    """The Flow-GRPO loss (to MINIMISE) and its statistics. One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA
+    under pi_theta, pi_old, pi_ref; adv_B its A_i. weights: precomputed aggregation_weights for these rows
+    (micro-batches of a bigger minibatch); by default computed from `agg` and traj_ids over this batch alone.
     Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
     region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
     smaller one and the gradient flows - so the clip never shields a move that makes things worse.
     clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
-    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update.
-    """
+    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update."""
     mask_BA = mask_BA.bool()
     w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
     # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
@@ -2011,21 +1823,15 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
                  "tokens": int(mask_BA.sum().item())}
     return loss, stats
 
-
-# =====================================================================================================
-# 12. Training
-# =====================================================================================================
-
+# ======== 12. Training ===============================================================================
 
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
-
 def dequantise_gguf(path: Path, folder: Path) -> None:
-    """GGUF file -> an ordinary fp32 checkpoint folder, once (~20 s; loading that folder takes ~1 s).
-    save_pretrained refuses a GGUF-loaded model, so its weights go into a fresh model built from its config."""
+    """GGUF file -> an ordinary fp32 checkpoint folder, once (it loads far faster). save_pretrained refuses a
+    GGUF-loaded model, so its weights go into a fresh model built from its config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log(f"[model] dequantising {path.name} once into {folder}")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     del loaded.config.quantization_config
@@ -2039,7 +1845,6 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
         tmp.rename(folder)  # written aside, then renamed: a crash never leaves half a folder
     except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
-
 
 def resolve_model(name: str) -> str:
     """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
@@ -2060,17 +1865,15 @@ def resolve_model(name: str) -> str:
         dequantise_gguf(path, folder)
     return str(folder)
 
-
 def load_policy(cfg: Config, device: str, *, trainable: bool):
     """Base (tiny, or an HF id, folder or GGUF, in --dtype; QLoRA: 4-bit NF4) + LoRA: --adapter when given (trainable
     or not), else a fresh adapter to train, else the bare base. Returns the model and its tokenizer."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device == "cuda" else torch.float32
-    if trainable and cfg.old_logprobs == "captured" and dtype != torch.float32:  # SmolLM2 in bf16 (CPU): 0.3% of
+    if trainable and cfg.old_logprobs == "captured" and dtype != torch.float32:
         log("warning: --old-logprobs captured in bf16: the sampler's cached decoding and the update's forward differ "
-            "by up to 0.5 per token, so the clip fires before any update; 'recompute' is exact")  # tokens clipped
+            "by up to 0.5 per token, so the clip fires before any update; 'recompute' is exact")
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed, dtype)
     else:
@@ -2108,7 +1911,6 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model.enable_input_require_grads()
     return model, tokenizer
 
-
 def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     """One tiny structured request before anything else: a wrong URL or model name is one clear line at start-up,
     not a whole run of empty answers and zero rewards; and the server's structured-output mode is settled."""
@@ -2119,15 +1921,16 @@ def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     log(f"[engine] {flag} {engine.base_url}: structured output by {engine.mode} {engine.refusal}".rstrip())
     return engine
 
-
 def build_system(cfg: Config, device: str, *, trainable: bool):
     """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off), tools and
     the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
     corpus = read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None  # a bad file fails before the model loads
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
-    remote = lambda flag, url, name, max_tokens: checked(OpenAIEngine(
-        url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s, phase_timeout_s=cfg.phase_timeout_s,
-        max_tokens=max_tokens), flag)
+
+    def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
+        return checked(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
+                                    phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
+
     fixed = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
         if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
     fixed.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
@@ -2137,12 +1940,10 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
     if cfg.embed_base_url:  # optional dense retrieval for the RAG tools; BM25 otherwise
         from openai import OpenAI
-
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
     return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, wiki_corpus=corpus, **options), judge
-
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
@@ -2157,7 +1958,6 @@ def ensure_sample_data(cfg: Config) -> None:
             write(built[i], path)
             log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
 
-
 def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
     """The rows of training step `step` (1, 2, ...): each epoch is a shuffle of the n rows seeded by its number, read in
     order. A pure function of the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
@@ -2166,7 +1966,6 @@ def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
     for e, rows in epochs.items():
         random.Random(seed + e).shuffle(rows)
     return [epochs[k // n][k % n] for k in range(first, first + size)]
-
 
 @dataclass
 class Row:
@@ -2179,12 +1978,10 @@ class Row:
     old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
     ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
 
-
 def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
                unit: str = "trajectory") -> list[Row]:
     """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
-    unit='turn' (--adv-unit, AgentFlow's verl code): each turn-row is a sample of its trajectory's group with its
-    trajectory's reward, so long trajectories weigh more in the mean and std (the paper: over the G trajectories)."""
+    unit='turn' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
     turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
     if unit == "turn":
         adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
@@ -2193,13 +1990,11 @@ def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, 
     return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
             for (i, s), a in zip(turns, adv_B.tolist())]
 
-
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
     out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
     len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
     return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
-
 
 @torch.no_grad()
 def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
@@ -2212,7 +2007,6 @@ def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_siz
                                     temperature=temperature)
             for r, logp_A in zip(chunk, logps):
                 setattr(r, attr, logp_A.cpu())
-
 
 def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
     """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
@@ -2238,7 +2032,6 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
     return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
 
-
 def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
     """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
     state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
@@ -2248,20 +2041,16 @@ def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[lis
     chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
     return [[r for r in rows if r.traj_id in c] for c in chosen]
 
-
 def has_signal(rows: list[Row], cfg: Config) -> bool:
     """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
-    so its forward and backward passes would be wasted, and an optimizer step would still move the weights on
-    Adam's stale momentum: such a minibatch is skipped (DAPO's reason for filtering equal-reward groups)."""
+    yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
     return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
-
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
     """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
     sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
-    the update's forward IS pi_old: old_logp stays None. pi_ref (adapter off): only for a KL term. Both are computed
-    in the first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (padding, kernels),
-    so other chunks would give ratios != 1 and a KL > 0 before any update."""
+    the update's forward IS pi_old (old_logp stays None). pi_ref (adapter off): only for a KL term. Both come from the
+    first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1, KL > 0 at once)."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
         return
@@ -2274,11 +2063,9 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
         if cfg.kl_coef > 0:
             fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
 
-
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
     """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
-    signal (has_signal) costs nothing; one whose loss or gradient norm is not finite is skipped: one NaN must never
-    poison the adapter."""
+    signal costs nothing; one whose loss or gradient norm is not finite is skipped: no NaN reaches the adapter."""
     params = [p for p in model.parameters() if p.requires_grad]
     sums, skipped, no_signal = Counter(), 0, 0
     model.train()
@@ -2301,7 +2088,6 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
             "no_signal_minibatches": no_signal, "updates": sums["updates"],
             "loss": sums["loss"] / done if sums["updates"] else float("nan")}
 
-
 def make_optimizer(model, cfg: Config):
     """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2315,12 +2101,10 @@ def make_optimizer(model, cfg: Config):
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
-
 def run_record(cfg: Config, train_data: str = "") -> dict:
     """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
     with other rows would change what every later step draws; --resume compares both)."""
     return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
-
 
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config, train_data: str = "") -> Path:
     """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
@@ -2340,7 +2124,6 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
     tmp.rename(final)
     return final
 
-
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     """The newest checkpoint whose three files read back whole (a full disk or a partial copy can tear one)."""
     found = [p for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
@@ -2354,11 +2137,9 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
             log(f"warning: {ckpt} is incomplete or damaged; skipping it")
     return None
 
-
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (it fixes the data position)."""
     from peft import set_peft_model_state_dict
-
     set_peft_model_state_dict(model, load_file(str(ckpt / "adapter_model.safetensors")))
     state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
@@ -2373,15 +2154,11 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     log(f"resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
-
 # The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
-# and how much it logs, how fast and in what precision it runs (a bf16 run may go on in float32) - never what a step
-# computes.
+# and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
-               "eval_every",
-               "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers", "request_timeout_s",
-               "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
-
+               "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
+               "request_timeout_s", "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
@@ -2406,7 +2183,6 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
                          f"may change: {', '.join('--' + k.replace('_', '-') for k in RESUME_SAFE[2:])}")
     return ckpt
 
-
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     keep = []
@@ -2416,11 +2192,9 @@ def trim_jsonl(path: Path, max_step: int) -> None:
                 keep.append(line + "\n")
     path.write_text("".join(keep))
 
-
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
-    """For --eval's last line and the step metrics: planner turns, plans parsed, calls asked of the executor (plans
-    naming a real tool; tool:<name> per tool) and valid in their tool's schema, and the frozen roles' structured
-    outputs (an analysis per question, a call per request, a verdict per turn asked) and how many parsed."""
+    """For --eval's last line and the step metrics: turns, plans parsed, calls asked (tool:<name> per tool) and valid
+    in their schema, and the frozen roles' structured outputs (analysis, calls, verdicts asked) and how many parsed."""
     c = Counter()
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
@@ -2433,16 +2207,17 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
                  structured=structured, structured_valid=structured - failed)
     return c
 
-
 def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
     """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
     c = agent_counts(states, tools)
-    rate = lambda part, whole: c[part] / max(1, c[whole])  # part / whole, 0 for an empty whole
+
+    def rate(part: str, whole: str) -> float:  # 0 for an empty whole
+        return c[part] / max(1, c[whole])
+
     return {"turns_per_traj": rate("turns", "questions"), "plan_parse_rate": rate("plans", "turns"),
             "tool_call_valid": rate("calls_valid", "calls"), "tool_error_rate": rate("tool_errors", "turns"),
             "structured_valid": rate("structured_valid", "structured"),
             "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
-
 
 def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge: Optional[Engine], tools: dict,
                       cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
@@ -2454,12 +2229,10 @@ def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge:
                                        [b.get("source") for b in batch for _ in range(G)])
     return states, rewards, fallbacks
 
-
 def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fixed: Engine, judge: Optional[Engine],
                   tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
-    """DAPO's dynamic sampling (--dynamic-sampling N): groups whose rewards are all equal are dropped, and up to N more
-    batches of questions (drawn by their own seeded RNG: a resumed run draws the same) are rolled out until B groups
-    with variance are kept. Without it every group is kept. Returns the kept states and rewards, and counts."""
+    """DAPO's dynamic sampling (--dynamic-sampling N): groups of equal rewards are dropped, and up to N more batches
+    (their own seeded RNG: resumable) rolled out until B groups with variance are kept (N = 0: all are kept)."""
     G, kept_states, kept_rewards, c = cfg.group_size, [], [], Counter()
     for attempt in range(cfg.dynamic_sampling + 1):
         if attempt:
@@ -2477,7 +2250,6 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fi
             break
     n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
     return kept_states[:n], kept_rewards[:n], c
-
 
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
                tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None
@@ -2509,11 +2281,9 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
                "engine_failures": sum(e.failures for e in engines) - sent[1]}
     return metrics, states, rewards
 
-
 class GracefulInterrupt:
-    """First Ctrl-C (or SIGTERM, a job scheduler's stop): finish the step (a checkpoint mid-update would be half a step
-    ahead of its optimizer), save, stop. Second: os._exit at once, waiting for no request or tool; nothing saved is
-    lost (logs and checkpoints are whole)."""
+    """First Ctrl-C or SIGTERM: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer),
+    save, stop. Second: os._exit at once, waiting for nothing; what was saved is whole (logs and checkpoints)."""
 
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
         main = threading.current_thread() is threading.main_thread()
@@ -2533,15 +2303,13 @@ class GracefulInterrupt:
         for s, old in self._old.items():
             signal.signal(s, old)
 
-
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
     """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens."""
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
 
-
 def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
-    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output
-    in it) -> {"sub_goal": question, "tool_name": drawn uniformly, redrawn every step} + EOS, own AdamW."""
+    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output in it)
+    -> {"sub_goal": question, "tool_name": drawn uniformly, redrawn every step} + EOS, own AdamW."""
     rng = random.Random(f"sft-{cfg.seed}")
     pool = [r["question"] for r in rng.sample(rows, min(len(rows), cfg.batch_size * cfg.group_size))]
     analyses = fixed.generate([analysis_prompt(q, tools) for q in pool], schema=QueryAnalysis)
@@ -2568,15 +2336,13 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
         log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}")
     return losses
 
-
 def route(st: AgentState) -> str:
     """The tools of a trajectory's plans in order, each by its first word: 'Wikipedia>Python'."""
     return ">".join(t.plan.tool_name.split("_")[0] if t.plan else "(unparsed)" for t in st.turns) or "(none)"
 
-
 def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
-    """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), each kind's routes
+    """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), routes per kind
     ({"compound": {"Wikipedia>Python": 12, ...}}), and agent_counts."""
     rewards, c, by_kind, routes = [], Counter(), {}, {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
@@ -2593,7 +2359,6 @@ def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[E
             "by_kind": {k: sum(v) / len(v) for k, v in by_kind.items()},
             "routes": {k: dict(v.most_common()) for k, v in routes.items()}, "counts": dict(c)}
 
-
 def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
                      cfg: Config) -> dict:
     """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
@@ -2605,7 +2370,6 @@ def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Option
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
             "eval_routes": result["routes"], "eval_s": time.perf_counter() - t0}
-
 
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
@@ -2634,7 +2398,7 @@ def train(cfg: Config) -> Path:
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
     eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit) if cfg.eval_every else []
-    held_out = lambda: held_out_metrics(model, tokenizer, fixed, tools, judge, eval_rows, cfg)
+    held_out = functools.partial(held_out_metrics, model, tokenizer, fixed, tools, judge, eval_rows, cfg)
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
         with open(out_dir / "metrics.jsonl", "a") as mf:
             mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
@@ -2664,12 +2428,11 @@ def train(cfg: Config) -> Path:
                 break
     return last
 
-
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
                        lr: float = 2e-2) -> list[float]:
     """The tiny model on a one-turn toy task (reward = the share of digits in the action): mean reward per step. The
     trainer's own sampling, advantages, loss and update, so a rising curve shows the update's sign and scale are right.
-    lr 2e-2: at 5e-2 a seed at 1.00 could fall back (all advantages 0: Adam scales up the tiny KL gradient)."""
+    lr 2e-2: higher, a solved seed (all advantages 0) can drift back on Adam's scaled-up KL gradient."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
@@ -2693,17 +2456,12 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         curve.append(sum(rewards) / len(rewards))
     return curve
 
-
-# =====================================================================================================
-# 13. Evaluation and the command line
-# =====================================================================================================
-
+# ======== 13. Evaluation and the command line ========================================================
 
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
     model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=False)
     return fixed, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
-
 
 def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
     """--eval: greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
@@ -2721,13 +2479,11 @@ def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
           f"{c.get('structured_valid', 0)}/{c.get('structured', 0)}")
     return result
 
-
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     fixed, tools, _, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
-
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
@@ -2762,11 +2518,9 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
           f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
     return prompts
 
-
 def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
-    """Useful tokens/s (up to the first stop token) of sample_actions vs transformers' generate() under the same law
-    (softmax(logits / T), no top-k/top-p), on the prompts as the trainer samples them: each question's planner prompt
-    G times, so the loop prefills it once. The loop's prefill is timed as a 1-token run."""
+    """Useful tokens/s (up to the first stop) of sample_actions vs generate() under the same law (softmax(logits / T)),
+    on the prompts as the trainer samples them (G copies: prefilled once). The prefill is timed as a 1-token run."""
     stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
     t0 = time.perf_counter()
     sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
@@ -2783,7 +2537,6 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
           f"{loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode {max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() "
           f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
-
 
 def _remote_speedup(group: int) -> None:
     """G calls to a 127.0.0.1 OpenAI-compatible stand-in answering after 100 ms: concurrent vs one after another."""
@@ -2812,7 +2565,6 @@ def _remote_speedup(group: int) -> None:
     print(f"remote concurrency speedup: {t['sequential'] / t['concurrent']:.1f}x ({group} calls of 100 ms: concurrent "
           f"{t['concurrent']:.2f}s, one after another {t['sequential']:.2f}s)")
 
-
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls. Each
     phase is split into the model's forward passes (timed by hooks, the GPU waited for) and the rest."""
@@ -2828,7 +2580,6 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
           f"tokens, model {cfg.model} on {device}")
     _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, fixed, tools), cfg)
     _remote_speedup(group)
-
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
     """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
@@ -2846,7 +2597,6 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
     plt.savefig(path, dpi=100)
     print(f"wrote {path}")
 
-
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> None:
     """--learning-curve: the toy task for 3 seeds; reward per step as a text chart, and learning_curve.png."""
     curves = []
@@ -2861,7 +2611,6 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
     save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
              {f"seed {s}": c for s, c in zip(seeds, curves)}, "mean reward (share of digits)",
              "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
-
 
 def plot_run(cfg: Config) -> None:
     """--plot: per step of the run in --output-dir: reward, plan-parse rate, each tool's share (a table, curve.png),
@@ -2894,7 +2643,6 @@ def plot_run(cfg: Config) -> None:
         save_png(Path(cfg.output_dir) / png, [m["step"] for m in rows], series,
                  "mean / share / accuracy per step", f"Flow-GRPO run in {cfg.output_dir}")
 
-
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = parse_config(argv)
     if "OMP_NUM_THREADS" not in os.environ and (cfg.learning_curve or pick_device(cfg) == "cpu"):
@@ -2915,7 +2663,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         train(cfg)
     return 0
-
 
 if __name__ == "__main__":
     try:
