@@ -56,6 +56,8 @@ DELIBERATE SIMPLIFICATIONS (and why)
   * LoRA dropout 0: a stochastic training forward would make pi/pi_old != 1 before any update (the clip fires on noise).
   * The executor emits a JSON tool call validated against the tool's input schema; model-written code only runs
     in a sandboxed subprocess (run_python). No Google search (a proprietary SDK): Wikipedia and web-page RAG, BM25.
+  * The Python tool also reads what earlier steps found (Memory.findings): a small executor cannot carry a number
+    looked up in one turn into the next turn's call. A minibatch whose advantages are all 0 (no KL) is skipped.
 """
 
 from __future__ import annotations
