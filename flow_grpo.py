@@ -1508,6 +1508,12 @@ MONTHS = "january february march april may june july august september october no
 NUMBER_WORDS = {w: i if i <= 20 else 10 * (i - 18) for i, w in enumerate("zero one two three four five six seven eight "
                 "nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty "
                 "thirty forty fifty sixty seventy eighty ninety".split())} | {"infinity": "\\infty"}
+# Names: one spelling of a word ('Mt.' is 'mount', 'fourth' '4' as '4th' is), Roman numerals, what ONE side may add
+NAME_WORDS = {"mt": "mount", "st": "saint"} | {w: str(i) for i, w in enumerate("first second third fourth fifth sixth "
+              "seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth fifteenth sixteenth seventeenth "
+              "eighteenth nineteenth twentieth".split(), 1)}
+ROMAN = dict(I=1, V=5, X=10, L=50, C=100, D=500, M=1000)
+NAME_EXTRAS = re.compile(r"^(?:dr|sir|saint|king|queen|mrs?|pope) (?=\S+ \S)|^mount | (?:river|ocean|sea)$")
 # The words around a claim in a sentence (claimed): LINKS before it, VERBS or FOLLOWERS after it, no HEDGES
 LINKS = {"is", "are", "was", "were", "be", "by", "in", "on", "at", "to", "as", "about", "equals", "has", "have", "had"}
 VERBS = {"is", "are", "was", "were", "has", "had", "have", "equals", "became", "won", "wrote", "discovered",
@@ -1546,9 +1552,9 @@ def extract_answer(text: str) -> str:
     return inner.strip(" \t\n*:").rstrip(".* ")
 
 def strip_latex(text: str) -> str:
-    """Without the LaTeX that does not change a math answer: \\left, \\dfrac, thin spaces, spaces (but one
+    """Without the LaTeX that does not change a math answer: \\left, \\dfrac, \\varnothing, thin spaces, spaces (but one
     between digits: '1 2' is not 12). Signs, brackets and case stay: '(-1, 2)' is not '(1, 2)'."""
-    t = re.sub(r"\s+", " ", text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac"))
+    t = re.sub(r"\s+", " ", re.sub(r"\\(?:varnothing|\{ *\\\})", r"\\emptyset", re.sub(r"\\[dt]frac", r"\\frac", text)))
     return re.sub(r"\\(?:left|right)(?![a-zA-Z])|(?<!\\)\\[!,;: ]|(?<!\d) | (?!\d)", "", t)
 
 def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
@@ -1572,17 +1578,23 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
         return None
 
 def spelled(text: str) -> str:
-    """'seven' as '7', 'one million' and '1 million' as '1000000', 'infinity' as '\\infty'; other text as it is."""
-    m = re.fullmatch(r"(\S+)(?: (hundred|thousand|million|billion))?", text.strip().lower())  # a word, or a number
+    """'seven' as '7', 'one million' as '1000000', 'two hundred six' as '206', 'infinity' as '\\infty'; else as is."""
+    m = re.fullmatch(r"(\S+)(?: (hundred|thousand|million|billion)(?: (?:and )?(\S+))?)?", text.strip().lower())
     n = m and NUMBER_WORDS.get(m[1], to_number(m[1]) if m[2] else None)  # and its scale; 'seven point five' stays
     scale = {None: 1, "hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
-    return text if n is None or m[2] and isinstance(n, str) else str(n * scale[m[2]])
+    if n is None or m[2] and (isinstance(n, str) or not isinstance(rest := NUMBER_WORDS.get(m[3] or "zero"), int)):
+        return text
+    return str(n * scale[m[2]] + rest if m[2] else n)
 
-def normalize_text(text: str) -> str:
-    """SQuAD-style: lower case, no punctuation, no articles, single spaces: 'The Eiffel Tower.' -> 'eiffel tower'.
-    A minus stays, a word ('-89.2 °C' isn't '89.2 °C'); thousands commas go ('1,454' is '1454'); 'Mt.' is 'mount'."""
-    t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.lower()))
-    return " ".join({"mt": "mount"}.get(w, w) for w in re.findall(r"\w+", t) if w not in {"a", "an", "the"})
+def normalize_text(text: str, roman: bool = False) -> str:
+    """SQuAD-style: lower case, no punctuation, no articles, single spaces: 'The Eiffel Tower.' -> 'eiffel tower'. A
+    minus stays ('-89.2 °C'); no thousands commas or ordinal endings ('1,454', '4th'); NAME_WORDS; roman: LII is 52."""
+    if roman:  # a valid numeral (not 'IIII'); its letters add, or subtract before a larger one: 'IX' is -1 + 10
+        text = re.sub(r"\b(?=[IVXLCDM]+\b)M{0,3}(?:C[MD]|D?C{0,3})(?:X[CL]|L?X{0,3})(?:I[XV]|V?I{0,3})(?!\w)", lambda m:
+                      str(sum(ROMAN[a] * (-1) ** (ROMAN[a] < ROMAN[b]) for a, b in zip(m[0], m[0][1:] + "I"))), text)
+    t = re.sub(r"(?<=\d),(?=\d{3}(?!\d))|(?<=\d)(?:st|nd|rd|th)\b", "", text.lower())
+    t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", t)
+    return " ".join(NAME_WORDS.get(w, w) for w in re.findall(r"\w+", t) if w not in {"a", "an", "the"})
 
 def to_date(text: str) -> Optional[tuple]:
     """'May 18, 2018', '18th of May 2018', '2018-05-18' as (2018, 5, 18); None for anything else ('May 2018')."""
@@ -1633,13 +1645,13 @@ def math_verify_equal(gold: str, pred: str) -> bool:
         return reply.strip() == "1"
 
 def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
-    """Numbers exactly (1/3 is not 0.33); dates as (y, m, d); an acronym by its initials ('U.S.'); text
+    """Numbers exactly (1/3 is not 0.33); dates as (y, m, d); an acronym by its initials ('U.S.', 'WWII'); text
     SQuAD-normalised when both sides are words without math operators ('Paris, Texas', 'Catch-22'); math as LaTeX
     strings, or by math-verify (if verify) except where it misreads ('1 2' as 3, unbalanced braces, words, a set vs
     a tuple, case) or would build a huge number, which sympy does for hours: 10^{10^{10}}, (10^{100})!."""
     if (date := to_date(gold)) is not None:
         return to_date(pred) == date
-    if re.fullmatch(r"(?:[A-Z]\.?){2,5}", pred) and re.fullmatch(r"[A-Z][a-z]+( ([a-z]{2,3} )?[A-Z][a-z]+)+", gold):
+    if re.fullmatch(r"(?:[A-Z]\.?){2,5}", pred) and re.fullmatch(r"[A-Z][a-z]+( ([a-z]{2,3} )?[A-Z][a-zI]+)+", gold):
         return pred.replace(".", "") == "".join(re.findall("[A-Z]", gold))  # one way: 'United States Army' isn't 'USA'
     pred, gold = spelled(pred), spelled(gold)
     if m := re.fullmatch(r"(\d{1,2})!", pred):  # '3!' is 6 (a small factorial, unlike a sum, is a value one writes)
@@ -1650,8 +1662,10 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
     if p is not None and g is not None:
         return p == g
     words = [bool(re.search(r"[a-zA-Z]{2}", s)) and not re.search(r"[\\^_{}=<>+*/|]", s) for s in (pred, gold)]
-    if any(words):
-        return all(words) and normalize_text(pred) == normalize_text(gold) != ""
+    if any(words):  # normalize_text's forms, Roman numerals read ('Vitamin C' is 'vitamin c') or not; or ONE side
+        # without its NAME_EXTRAS: a title before 2 words (not 'Dr. No'), a mount, a river (both: Red River, Red Sea)
+        return all(words) and any(p in (g, NAME_EXTRAS.sub("", g)) or NAME_EXTRAS.sub("", p) == g for p, g in (
+            (normalize_text(pred, roman), normalize_text(gold, roman)) for roman in (False, True)) if p and g)
     if strip_latex(pred) == strip_latex(gold) != "":
         return True
     misread = [len(s) > SYMPY_MAX or last_boxed(f"\\boxed{{{s}}}") != s or re.search(r"\d(\s|\\[ ,;:])+\d", s)
@@ -1671,7 +1685,9 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
 def as_interval(text: str) -> str:
     """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
     text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", text)
-    parts = [p.strip() for p in re.split(r"(<|\\leq?(?![a-zA-Z])|\\leqslant)", text)]  # a chain: a, <, x, \le, b
+    parts = [p.strip() for p in re.split(r"(<|>|\\[lg]eq?(?![a-zA-Z])|\\[lg]eqslant)", text)]  # a, <, x, \le, b
+    if True in (up := {op[:2] in (">", "\\g") for op in parts[1::2]}):  # backwards: 'x \ge 2' is '2 \le x'
+        parts = [] if False in up else [{">": "<"}.get(p, "\\le") if i % 2 else p for i, p in enumerate(parts[::-1])]
     if len(parts) == 3:  # one bound: 'x < 2' is (-\infty, 2), '2 \le x' is [2, \infty)
         parts = ["-\\infty", "<", *parts] if re.fullmatch("[a-z]", parts[0]) else [*parts, "<", "\\infty"]
     if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
@@ -1683,7 +1699,8 @@ def claimed(pred: str, gold: str) -> bool:
     first and before one of VERBS: 'The largest planet is Jupiter.' Not when HEDGES finds a word outside it ('not',
     'or', 'and', 'at most'; for a number, another number), nor when the next word makes a longer name ('Paris,
     Texas', 'Jupiter Ascending', 'Everest base camp', "Jefferson's"); a number may take a unit ('206 bones')."""
-    words = re.split(r"(?<=[a-z0-9)\]}][.!?])\s+", pred)[-1].split()  # '. ' ends it, 'F. Scott' does not
+    said = re.split(r"(?<=[a-z0-9)\]}][.!?])\s+", pred)  # '. ' ends a sentence, 'F. Scott' does not
+    words, asked = said[-1].split(), len(said) > 1 and said[-2][-1] == "?"  # 'Who wrote it? Ernest Hemingway.'
     if pred.endswith("?") or len(words) > 40:  # a question claims nothing; a long sentence is for the LLM judge
         return False
     core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
@@ -1693,8 +1710,8 @@ def claimed(pred: str, gold: str) -> bool:
         if i and core[i - 1] not in LINKS or HEDGES.search(outside) or number and re.search(r"\d", outside):
             continue
         last, after = words[j - 1], core[j]
-        if not i:  # first: a verb follows ('Jupiter is ...'), or a comma after yes/no ('Yes, it converges')
-            fits = after in VERBS or last[-1] == "," and core[0] in ("yes", "no")
+        if not i:  # first: a verb follows ('Jupiter is ...'), a comma after yes/no ('Yes, it converges'), or alone
+            fits = after in VERBS or last[-1] == "," and core[0] in ("yes", "no") or asked and not after  # after a ?
         else:  # after a link: the sentence ends, a clause or a preposition follows, or a unit after a number
             fits = not after or last[-1] in ",;:" and words[j][:1].islower() or after in FOLLOWERS or (
                 number and to_number("1 " + after, True) is not None)  # 'bones', not 'thousand'
