@@ -1670,7 +1670,8 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
         return True
     misread = [len(s) > SYMPY_MAX or last_boxed(f"\\boxed{{{s}}}") != s or re.search(r"\d(\s|\\[ ,;:])+\d", s)
                or re.search(r"(?<![\\a-zA-Z{])[a-zA-Z]{3}", s)  # a word: '5 because 3! = 6'
-               or re.search(r"\\(?:lor|vee|land|wedge|neg|not|operatorname)(?![a-zA-Z])", s) for s in (pred, gold)]
+               or re.search(r"\\(?:lor|vee|land|wedge|neg|not|operatorname|int|lim|sum)(?![a-zA-Z])", s)  # unevaluated
+               for s in (pred, gold)]
     sets = {t.startswith("\\{") for t in map(strip_latex, (pred, gold)) if t[:1] in "([\\"}  # {1, 2} read as (1, 2)
     capitals = [sorted(re.findall("[A-Z]", s)) for s in (pred, gold)]  # it reads \Sigma as \sigma
     huge = [re.search(r"\^\{?\w*\^", s)  # a tower of powers; n!, a binomial or a product of 5 digits or a power

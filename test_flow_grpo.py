@@ -2324,6 +2324,8 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>WWI</answer>", "World War II", "nq", 0.0),
     ("<answer>two hundred sixty</answer>", "206", "nq", 0.0),
     ("<answer>Is it Canberra? Sydney.</answer>", "Canberra", "nq", 0.0),
+    ("<answer>\\int_0^1 x\\,dx</answer>", "\\frac{1}{2}", "mathhard", 0.0),  # unevaluated: math-verify would
+    ("<answer>\\lim_{x\\to 0} \\frac{\\sin x}{x}</answer>", "1", "mathhard", 0.0),  # evaluate it and pay
 ])
 def test_rule_reward_reads_sentence_answers(answer, truth, source, expected):
     fg.math_verify_equal("1", "1")  # the worker's start (imports) is not the judge's time
