@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, http.server, importlib.util
 import inspect, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
-import textwrap, threading, time, urllib.parse, warnings
+import textwrap, threading, time, unicodedata, urllib.parse, warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -1508,6 +1508,7 @@ MONTHS = "january february march april may june july august september october no
 NUMBER_WORDS = {w: i if i <= 20 else 10 * (i - 18) for i, w in enumerate("zero one two three four five six seven eight "
                 "nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty "
                 "thirty forty fifty sixty seventy eighty ninety".split())} | {"infinity": "\\infty"}
+NUMBER_WORDS |= {f"{t}-{u}": a + b for t, a in [*NUMBER_WORDS.items()][20:28] for u, b in [*NUMBER_WORDS.items()][1:10]}
 # Names: one spelling of a word ('Mt.' is 'mount', 'fourth' '4' as '4th' is), Roman numerals, what ONE side may add
 NAME_WORDS = {"mt": "mount", "st": "saint"} | {w: str(i) for i, w in enumerate("first second third fourth fifth sixth "
               "seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth fifteenth sixteenth seventeenth "
@@ -1578,21 +1579,21 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
         return None
 
 def spelled(text: str) -> str:
-    """'seven' as '7', 'one million' as '1000000', 'two hundred six' as '206', 'infinity' as '\\infty'; else as is."""
+    """'seven' as '7', 'forty-six' as '46', 'two hundred six' as '206', 'infinity' as '\\infty'; else as is."""
     m = re.fullmatch(r"(\S+)(?: (hundred|thousand|million|billion)(?: (?:and )?(\S+))?)?", text.strip().lower())
     n = m and NUMBER_WORDS.get(m[1], to_number(m[1]) if m[2] else None)  # and its scale; 'seven point five' stays
-    scale = {None: 1, "hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
     if n is None or m[2] and (isinstance(n, str) or not isinstance(rest := NUMBER_WORDS.get(m[3] or "zero"), int)):
         return text
-    return str(n * scale[m[2]] + rest if m[2] else n)
+    return str(n * 10 ** {"hundred": 2, "thousand": 3, "million": 6, "billion": 9}[m[2]] + rest if m[2] else n)
 
 def normalize_text(text: str, roman: bool = False) -> str:
-    """SQuAD-style: lower case, no punctuation, no articles, single spaces: 'The Eiffel Tower.' -> 'eiffel tower'. A
+    """SQuAD-style: lower case, no punctuation, articles or accents, single spaces: 'The Café.' -> 'cafe'. A
     minus stays ('-89.2 °C'); no thousands commas or ordinal endings ('1,454', '4th'); NAME_WORDS; roman: LII is 52."""
     if roman:  # a valid numeral (not 'IIII'); its letters add, or subtract before a larger one: 'IX' is -1 + 10
         text = re.sub(r"\b(?=[IVXLCDM]+\b)M{0,3}(?:C[MD]|D?C{0,3})(?:X[CL]|L?X{0,3})(?:I[XV]|V?I{0,3})(?!\w)", lambda m:
                       str(sum(ROMAN[a] * (-1) ** (ROMAN[a] < ROMAN[b]) for a, b in zip(m[0], m[0][1:] + "I"))), text)
-    t = re.sub(r"(?<=\d),(?=\d{3}(?!\d))|(?<=\d)(?:st|nd|rd|th)\b", "", text.lower())
+    t = "".join(c for c in unicodedata.normalize("NFD", text.lower()) if not unicodedata.combining(c))  # not NFKD:
+    t = re.sub(r"(?<=\d),(?=\d{3}(?!\d))|(?<=\d)(?:st|nd|rd|th)\b", "", t)  # it reads '10² m' as '102 m'
     t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", t)
     return " ".join(NAME_WORDS.get(w, w) for w in re.findall(r"\w+", t) if w not in {"a", "an", "the"})
 
@@ -1685,7 +1686,7 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
 
 def as_interval(text: str) -> str:
     """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
-    text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", text)
+    text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", re.sub(r"(?<!\\)\binf\b", r"\\infty", text))  # Python's 'inf'
     parts = [p.strip() for p in re.split(r"(<|>|\\[lg]eq?(?![a-zA-Z])|\\[lg]eqslant)", text)]  # a, <, x, \le, b
     if True in (up := {op[:2] in (">", "\\g") for op in parts[1::2]}):  # backwards: 'x \ge 2' is '2 \le x'
         parts = [] if False in up else [{">": "<"}.get(p, "\\le") if i % 2 else p for i, p in enumerate(parts[::-1])]
@@ -1708,6 +1709,8 @@ def claimed(pred: str, gold: str) -> bool:
     n, number = len(words), to_number(spelled(gold)) is not None
     for i, j in ((i, j) for i in range(n) for j in range(i + 1, min(n, i + len(gold.split()) + 1) + 1)):
         outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
+        if not i and core[0] == "no" and words[0][-1] == ",":  # 'No, it does not converge': its 'not' agrees, but
+            outside = re.sub(r"\b(?:not|never)\b|n't\b", "", outside).replace("yes", "no")  # 'No, yes' takes it back
         if i and core[i - 1] not in LINKS or HEDGES.search(outside) or number and re.search(r"\d", outside):
             continue
         last, after = words[j - 1], core[j]

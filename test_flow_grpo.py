@@ -2326,6 +2326,24 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>Is it Canberra? Sydney.</answer>", "Canberra", "nq", 0.0),
     ("<answer>\\int_0^1 x\\,dx</answer>", "\\frac{1}{2}", "mathhard", 0.0),  # unevaluated: math-verify would
     ("<answer>\\lim_{x\\to 0} \\frac{\\sin x}{x}</answer>", "1", "mathhard", 0.0),  # evaluate it and pay
+    # hyphenated number words, accents, Python's inf, a yes/no answered by a sentence that starts with it
+    ("<answer>twenty-two</answer>", "22", "nq", 1.0),
+    ("<answer>Jose Marti</answer>", "José Martí", "nq", 1.0),
+    ("<answer>It was written by Gabriel García Márquez.</answer>", "Gabriel Garcia Marquez", "nq", 1.0),
+    ("<answer>(-inf, 3]</answer>", "(-\\infty, 3]", "mathhard", 1.0),
+    ("<answer>No, the series does not converge.</answer>", "No", "mathhard", 1.0),
+    ("<answer>twenty-two</answer>", "23", "nq", 0.0),
+    ("<answer>twenty-twelve</answer>", "32", "nq", 0.0),
+    ("<answer>Jose</answer>", "Josef", "nq", 0.0),
+    ("<answer>10² metres</answer>", "102 metres", "nq", 0.0),  # NFD, not NFKD
+    ("<answer>inf</answer>", "-\\infty", "mathhard", 0.0),
+    ("<answer>(-inf, 3)</answer>", "(-\\infty, 3]", "mathhard", 0.0),
+    ("<answer>No, but yes.</answer>", "No", "mathhard", 0.0),
+    ("<answer>No, yes.</answer>", "No", "mathhard", 0.0),
+    ("<answer>No. Yes.</answer>", "No", "mathhard", 0.0),
+    ("<answer>Not really.</answer>", "No", "mathhard", 0.0),
+    ("<answer>Yes, no.</answer>", "Yes", "mathhard", 0.0),
+    ("<answer>Yes, it does not converge.</answer>", "No", "mathhard", 0.0),
 ])
 def test_rule_reward_reads_sentence_answers(answer, truth, source, expected):
     fg.math_verify_equal("1", "1")  # the worker's start (imports) is not the judge's time
