@@ -1514,7 +1514,7 @@ NAME_WORDS = {"mt": "mount", "st": "saint"} | {w: str(i) for i, w in enumerate("
               "seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth fifteenth sixteenth seventeenth "
               "eighteenth nineteenth twentieth".split(), 1)}
 ROMAN = dict(I=1, V=5, X=10, L=50, C=100, D=500, M=1000)
-NAME_EXTRAS = re.compile(r"^(?:dr|sir|saint|king|queen|mrs?|pope) (?=\S+ \S)|^mount | (?:river|ocean|sea)$")
+NAME_EXTRAS = re.compile(r"^(?:dr|sir|saint|king|queen|mrs?|pope) (?=\S+ \S)")  # not 'river', 'mount': Ottawa River
 # The words around a claim in a sentence (claimed): LINKS before it, VERBS or FOLLOWERS after it, no HEDGES
 LINKS = {"is", "are", "was", "were", "be", "by", "in", "on", "at", "to", "as", "about", "equals", "has", "have", "had"}
 VERBS = {"is", "are", "was", "were", "has", "had", "have", "equals", "became", "won", "wrote", "discovered",
@@ -1566,7 +1566,7 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     if words_after:
         words = r"(?!(?i:hundred|thousand|million|billion|trillion|dozen|bn|pi|and|or|plus|minus|times|over|divided"
         words += r"|squared|cubed|factorial|mod|if|sin|cos|tan|log|ln|sqrt|root|at|to|up|not)s?\b)[a-z]{2}[a-zA-Z\s./]*"
-        symbol = r"(?![KMBT]n?\b)(?=[a-z]?[A-Z])[a-zA-Z]{1,3}"  # kW, mL, V, USD; not K, M, B, T (multipliers)
+        symbol = r"(?![KMBT]n?\b|BCE?\b|AD\b)(?=[a-z]?[A-Z])[a-zA-Z]{1,3}"  # kW, mL, V, USD; not K, M, B, T, an era
         m = re.fullmatch(r"(\S+)\s+(?:" + words + "|" + symbol + r")(\^\{?\d\}?)?", text)
         text = m.group(1) if m else ""
     t = re.sub(r"^(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}$", r"\1\2/\3", re.sub(r"\\?%$", "", strip_latex(text)))
@@ -1664,7 +1664,7 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
         return p == g
     words = [bool(re.search(r"[a-zA-Z]{2}", s)) and not re.search(r"[\\^_{}=<>+*/|]", s) for s in (pred, gold)]
     if any(words):  # normalize_text's forms, Roman numerals read ('Vitamin C' is 'vitamin c') or not; or ONE side
-        # without its NAME_EXTRAS: a title before 2 words (not 'Dr. No'), a mount, a river (both: Red River, Red Sea)
+        # without its NAME_EXTRAS: a title before 2 words (not 'Dr. No'; 'Ottawa River' is not 'Ottawa')
         return all(words) and any(p in (g, NAME_EXTRAS.sub("", g)) or NAME_EXTRAS.sub("", p) == g for p, g in (
             (normalize_text(pred, roman), normalize_text(gold, roman)) for roman in (False, True)) if p and g)
     if strip_latex(pred) == strip_latex(gold) != "":

@@ -2288,7 +2288,7 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>Mt. Everest base camp</answer>", "Mount Everest", "nq", 0.0),
     # a "Final answer:" line; one spelling of the empty set; a lower bound; a title, 'St.', a mount or a river that
     # ONE side adds; ordinals, Roman numerals, compound number words; a question restated before its answer
-    ("The tallest mountain in Africa is Kilimanjaro.\nFinal answer: Kilimanjaro", "Mount Kilimanjaro", "nq", 1.0),
+    ("The tallest mountain in Africa is Kilimanjaro.\nFinal answer: Mount Kilimanjaro", "Mount Kilimanjaro", "nq", 1.0),
     ("<answer>\\emptyset</answer>", "\\varnothing", "mathhard", 1.0),
     ("<answer>\\{ \\}</answer>", "\\emptyset", "mathhard", 1.0),
     ("<answer>x \\geq 2</answer>", "[2, \\infty)", "mathhard", 1.0),
@@ -2298,8 +2298,8 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>Dr. Martin Luther King Jr.</answer>", "Martin Luther King Jr.", "nq", 1.0),
     ("<answer>Queen Elizabeth II</answer>", "Elizabeth II", "nq", 1.0),
     ("<answer>St. Petersburg</answer>", "Saint Petersburg", "nq", 1.0),
-    ("<answer>the Nile</answer>", "Nile River", "nq", 1.0),
-    ("<answer>Pacific Ocean</answer>", "the Pacific", "nq", 1.0),
+    ("<answer>Ottawa River</answer>", "Ottawa", "nq", 0.0),  # a river, a mount: another entity as often as not
+    ("<answer>1494 BC</answer>", "1494", "nq", 0.0),  # an era is no unit
     ("<answer>the 4th season</answer>", "fourth season", "nq", 1.0),
     ("<answer>eighteenth century</answer>", "18th century", "nq", 1.0),
     ("<answer>Super Bowl LII</answer>", "Super Bowl 52", "nq", 1.0),
