@@ -1379,7 +1379,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
     return states
 
 def format_trajectory(st: AgentState) -> str:
-    """A readable trajectory (--ask, rollouts.jsonl); a last turn without a verdict had none asked: no VERIFIER line."""
+    """A readable trajectory (--ask, rollouts.jsonl); a VERIFIER line where one was asked (not last, --no-verify)."""
     lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
     for i, t in enumerate(st.turns, 1):
         verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
@@ -1387,7 +1387,7 @@ def format_trajectory(st: AgentState) -> str:
                   f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}",
                   f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}",
                   f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}"]
-        lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) else []
+        lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) and st.stats["parse_fail:verdict"] else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
 # ======== 8. Rollout with log-prob capture ===========================================================

@@ -1929,6 +1929,20 @@ def test_executor_cannot_name_another_tool_or_add_arguments():
     assert tool.calls == []
 
 
+def test_no_verify_takes_every_turn_and_shows_no_verdict_but_an_unreadable_one_is_shown():
+    tools = {"Echo_Tool": EchoTool()}
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(stop_after=1),
+                        tools=tools, max_turns=3, verify=False)[0]
+    assert len(st.turns) == 3 and "VERIFIER" not in fg.format_trajectory(st)  # the verifier would have stopped it
+
+    class Junk(RoleEngine):
+        def _complete(self, prompts, max_tokens, schema):
+            return ["no json" if "verifier" in p else o for p, o in zip(prompts, super()._complete(prompts, max_tokens,
+                                                                                                   schema))]
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=Junk(), tools=tools, max_turns=2)[0]
+    assert fg.format_trajectory(st).count("VERIFIER: unparseable -> CONTINUE") == 1  # asked after turn 1 only
+
+
 def test_solver_stops_at_max_turns_and_batches_in_lockstep():
     batches = []
 
