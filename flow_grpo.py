@@ -130,6 +130,7 @@ class Config:
                      "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
     max_turns: int = arg(5, "planner turns per trajectory at most")
     verify: bool = arg(True, "ask the frozen verifier after each turn whether to stop (--no-verify: always max_turns)")
+    analysis: bool = arg(True, "the frozen analyst studies the question first; its notes go into every planner prompt")
     max_new_tokens: int = arg(256, "longest planner action, in tokens")
     fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
     memory_chars: int = arg(2000, "every string in a tool result is cut to this many characters in memory")
@@ -182,7 +183,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                verify=False, batch_size=3, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
+                verify=False, analysis=False, batch_size=3, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
                 micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=1e-4, warmup_steps=2, max_steps=30,
                 save_every=10, sft_steps=8, sft_lr=1e-3, tool_timeout_s=5.0, eval_every=10, eval_limit=30,
                 output_dir="runs/cpu"),
@@ -198,7 +199,7 @@ def tool_names(cfg: Config) -> list[str]:
 
 def agent_options(cfg: Config) -> dict:
     """The agent loop's knobs (solve_batch's keyword arguments) from the config."""
-    return dict(max_turns=cfg.max_turns, verify=cfg.verify, memory_chars=cfg.memory_chars,
+    return dict(max_turns=cfg.max_turns, verify=cfg.verify, analysis=cfg.analysis, memory_chars=cfg.memory_chars,
                 tool_workers=cfg.tool_workers)
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1243,7 +1244,8 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
     """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
     included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
     return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
-            f"Question: {question}\n\nQuery analysis: {analysis}\n\nAvailable tools:\n{describe_tools(tools)}\n\n"
+            f"Question: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
+            f"Available tools:\n{describe_tools(tools)}\n\n"
             f"Memory of previous steps:\n{memory.to_text()}\n\n"
             f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
             f"can reach now; build on the memory instead of repeating a step that already worked."
@@ -1258,12 +1260,17 @@ def executor_prompt(question: str, plan: NextStep, tool) -> str:
 def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
     return (f"You are the verifier of a problem-solving agent. Decide whether the memory below already "
             f"holds enough verified information to answer the question correctly.\n\nQuestion: {question}\n\n"
-            f"Query analysis: {analysis}\n\nMemory:\n{memory.to_text()}")
+            + (f"Query analysis: {analysis}\n\n" if analysis else "") + f"Memory:\n{memory.to_text()}")
 
 def answer_prompt(question: str, memory: Memory) -> str:
     # Steps first: with them last, a small model lists steps of its own instead of answering
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
+
+def analyse(questions: list[str], fixed: Engine, tools: dict) -> list[str]:
+    """The frozen analyst's notes per question, as the JSON text the planner reads ("(no analysis)" if unparsed)."""
+    analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
+    return [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]
 
 @dataclass
 class Turn:
@@ -1327,14 +1334,14 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
 
 def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
-                timings: Optional[dict] = None) -> list[AgentState]:
-    """Run the agent on every question, all trajectories in lockstep; verify=False: always max_turns turns."""
+                analysis: bool = True, timings: Optional[dict] = None) -> list[AgentState]:
+    """Run the agent on every question, all trajectories in lockstep; verify=False: always max_turns turns;
+    analysis=False: no query analysis (its notes are left out of the prompts)."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
-        analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
-    for st, a in zip(states, analyses):
-        st.analysis = json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)"
-        st.stats["parse_fail:analysis"] += a is None
+        for st, text in zip(states, analyse(questions, fixed, tools) if analysis else []):
+            st.analysis = text
+            st.stats["parse_fail:analysis"] += text == "(no analysis)"
     slots = threading.Semaphore(max(1, tool_workers))
     for turn in range(1, max_turns + 1):
         live = [st for st in states if not st.done]
@@ -2331,25 +2338,28 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
 
 def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
-    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (the frozen analyst's real output in it)
-    -> {"sub_goal": question, "tool_name": drawn uniformly, redrawn every step} + EOS, own AdamW."""
-    rng = random.Random(f"sft-{cfg.seed}")
-    pool = [r["question"] for r in rng.sample(rows, min(len(rows), cfg.batch_size * cfg.group_size))]
-    analyses = fixed.generate([analysis_prompt(q, tools) for q in pool], schema=QueryAnalysis)
-    texts = [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]
+    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (with the frozen analyst's real notes)
+    -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t, each step, own AdamW. Every question is paired
+    with every tool equally often, so the fit is uniform over tools per question: no tool is taught, and no question
+    starts RL with a preferred one (a tool drawn at random per step would leave the last steps' draws learnt)."""
+    rng, names = random.Random(f"sft-{cfg.seed}"), list(tools)
+    pool = [r["question"] for r in rng.sample(rows, min(len(rows), max(1, cfg.batch_size * cfg.group_size
+                                                                       // len(names))))]
+    texts = analyse(pool, fixed, tools) if cfg.analysis else [""] * len(pool)
+    pairs = [(q, t, name) for q, t in zip(pool, texts) for name in names]  # B x G rows per step, as in a rollout
     prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
-                            add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t in zip(pool, texts)]
+                            add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t, _ in pairs]
+    actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": name}), add_special_tokens=False)
+                            ["input_ids"] + [tokenizer.eos_token_id]) for q, _, name in pairs]
+    n_tokens = sum(len(a) for a in actions)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay)
     model.train()
     losses = []
     for step in range(1, cfg.sft_steps + 1):
-        actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": rng.choice(list(tools))}),
-                                          add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-                   for q in pool]
-        n_tokens, total = sum(len(a) for a in actions), 0.0
+        total = 0.0
         optimizer.zero_grad(set_to_none=True)
-        for i in range(0, len(pool), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
+        for i in range(0, len(pairs), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
             loss = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
             loss.backward()
             total += loss.item()
@@ -2388,7 +2398,7 @@ def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Option
     t0 = time.perf_counter()
     model.eval()
     planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
-    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg)
+    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     log(f"held-out accuracy {result['correct']}/{result['n']}: " + ", ".join(
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
@@ -2486,12 +2496,13 @@ def build_agent(cfg: Config, device: str):
     model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=False)
     return fixed, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
 
-def evaluate(cfg: Config, device: str, batch: int = 16) -> dict:
-    """--eval: greedy solve of the validation set; the LAST stdout line says what happened, in counts."""
+def evaluate(cfg: Config, device: str) -> dict:
+    """--eval: greedy solve of the validation set, in lockstep batches of a rollout's size (B x G); the LAST stdout
+    line says what happened, in counts."""
     rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit)
     fixed, tools, judge, planner = build_agent(cfg, device)
     t0 = time.perf_counter()
-    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, batch)
+    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     c = result["counts"]
     print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
           + ", ".join(f"{t} {c.get('tool:' + t, 0)}" for t in tools) + f" ({time.perf_counter() - t0:.0f} s)")

@@ -3287,9 +3287,29 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps: turn1.extend(ps) or ["x"] * len(ps),
                    fixed=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
     assert [tok.decode(p) for p in prompts[:6]] == [fg.render_chat(tok, p) for p in turn1[:6]]
-    # ... and the tool is drawn uniformly: the demonstrations teach the format, not the choice.
-    share = Counter(p["tool_name"] for p in plans)
-    assert set(share) == set(tools) and min(share.values()) >= 0.3 * len(plans)
+    # ... and every step pairs each question with every tool once: the demonstrations teach the format, not a choice.
+    for step in range(6):
+        pairs = Counter((p["sub_goal"], p["tool_name"]) for p in plans[6 * step:6 * step + 6])
+        questions = {q for q, _ in pairs}
+        assert len(questions) == 3 and set(pairs) == {(q, t) for q in questions for t in tools}
+
+
+def test_no_analysis_skips_the_analyst_and_leaves_its_notes_out_of_the_prompts():
+    class Counting(RoleEngine):
+        def _complete(self, prompts, max_tokens, schema):
+            self.prompts = getattr(self, "prompts", []) + prompts
+            return super()._complete(prompts, max_tokens, schema)
+
+    for analysis in (True, False):
+        engine, seen = Counting(stop_after=2), []
+        tools = {"Echo": EchoTool()}
+        fg.solve_batch(["What is 12 squared?"], planner=lambda ps: seen.extend(ps) or
+                       ['{"sub_goal": "square 12", "tool_name": "Echo"}'] * len(ps),
+                       fixed=engine, tools=tools, max_turns=2, analysis=analysis)
+        analysts = [p for p in engine.prompts if "analyst" in p]
+        notes = [p for p in seen + engine.prompts if "Query analysis:" in p]
+        assert (len(analysts), len(notes) > 0) == ((1, True) if analysis else (0, False))
+        assert len(seen) == 2 and all("What is 12 squared?" in p for p in seen)
 
 
 def test_train_warm_starts_once_into_checkpoint_0(tmp_path, sample_data, monkeypatch):
