@@ -131,6 +131,7 @@ class Config:
     max_turns: int = arg(5, "planner turns per trajectory at most")
     verify: bool = arg(True, "ask the frozen verifier after each turn whether to stop (--no-verify: always max_turns)")
     analysis: bool = arg(True, "the frozen analyst studies the question first; its notes go into every planner prompt")
+    tool_tips: bool = arg(True, "tools describe their limitations and tips too (--no-tool-tips: a prompt half as long)")
     max_new_tokens: int = arg(256, "longest planner action, in tokens")
     fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
     memory_chars: int = arg(2000, "every string in a tool result is cut to this many characters in memory")
@@ -183,7 +184,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                verify=False, analysis=False, batch_size=3, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
+                verify=False, analysis=False, tool_tips=False, batch_size=3, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
                 micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=1e-4, warmup_steps=2, max_steps=30,
                 save_every=10, sft_steps=8, sft_lr=1e-3, tool_timeout_s=5.0, eval_every=10, eval_limit=30,
                 output_dir="runs/cpu"),
@@ -956,8 +957,8 @@ class Tool:
         spec = self.input_model.model_json_schema()
         fields = [f"{k} ({v.get('type', 'any')}, {'required' if k in spec.get('required', []) else 'optional'})"
                   + (f": {v['description']}" if v.get("description") else "") for k, v in spec["properties"].items()]
-        return (f"Tool: {self.name}\n  Description: {self.description}\n  Input: {'; '.join(fields)}\n"
-                f"  Limitations: {self.limitations}\n  Tips: {self.tips}")
+        return (f"Tool: {self.name}\n  Description: {self.description}\n  Input: {'; '.join(fields)}"
+                + "".join(f"\n  {k}: {v}" for k, v in (("Limitations", self.limitations), ("Tips", self.tips)) if v))
 
     def run(self, args: BaseModel) -> Any:
         raise NotImplementedError
@@ -1218,13 +1219,15 @@ def read_corpus(path: str) -> dict[str, str]:
 
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None,
-               wiki_corpus: Optional[dict[str, str]] = None) -> dict[str, Tool]:
-    """Tools by name with the common options; the retrieval tools also get the embeddings, Wikipedia its corpus."""
+               wiki_corpus: Optional[dict[str, str]] = None, tips: bool = True) -> dict[str, Tool]:
+    """Tools by name with the common options; the retrieval tools also get the embeddings, Wikipedia its corpus;
+    tips=False: no limitations and tips in their descriptions."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     rag = {"embed_client": embed_client, "embed_model": embed_model}
-    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens,
-                                **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
+    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **({} if tips else
+                                {"limitations": "", "tips": ""}), **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {}))
+             for n in names}
     if WikipediaTool.name in tools:
         tools[WikipediaTool.name].corpus = wiki_corpus
     return tools
@@ -1718,7 +1721,8 @@ def claimed(pred: str, gold: str) -> bool:
         outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
         if not i and core[0] == "no" and words[0][-1] == ",":  # 'No, it does not converge': its 'not' agrees, but
             outside = re.sub(r"\b(?:not|never)\b|n't\b", "", outside).replace("yes", "no")  # 'No, yes' takes it back
-        if i and core[i - 1] not in LINKS or HEDGES.search(outside) or number and re.search(r"\d", outside):
+        link = i and (core[i - 1] in LINKS or number and core[i - 1] == "of")  # 'a population of 2894.'
+        if i and not link or HEDGES.search(outside) or number and re.search(r"\d", outside):
             continue
         last, after = words[j - 1], core[j]
         if not i:  # first: a verb follows ('Jupiter is ...'), a comma after yes/no ('Yes, it converges'), or alone
@@ -1967,7 +1971,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     judge = None if cfg.judge == "rule" else fixed
     if judge and cfg.judge_base_url:
         judge = remote("--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256)
-    options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
+    options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s, "tips": cfg.tool_tips}
     if cfg.embed_base_url:  # optional dense retrieval for the RAG tools; BM25 otherwise
         from openai import OpenAI
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,

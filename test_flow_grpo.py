@@ -2238,6 +2238,9 @@ def test_rule_reward_table(answer, truth, expected):
     ("Based on the search results, the tallest building is the Burj Khalifa.", "Burj Khalifa", "nq", 1.0),
     ("<answer>There are 206 bones in the adult human body.</answer>", "206", "nq", 1.0),
     ("<answer>The war ended in 1945.</answer>", "1945", "nq", 1.0),
+    ("<answer>Rinsorar has a population of 2894.</answer>", "2894", "nq", 1.0),
+    ("<answer>Rinsorar has a population of 2894.</answer>", "28", "nq", 0.0),
+    ("<answer>The capital of France is Paris.</answer>", "France", "nq", 0.0),
     ("<answer>18 May 2018</answer>", "May 18, 2018", "nq", 1.0),
     ("<answer>It was released on 2018-05-18.</answer>", "May 18, 2018", "nq", 1.0),
     ("<answer>U.S.</answer>", "United States; USA", "nq", 1.0),
@@ -4102,3 +4105,14 @@ def test_eval_every_writes_held_out_accuracy_per_kind_and_plot_shows_it(tmp_path
     assert out[held + 1].split() == ["0", "0.50", "1.00", "0.00", "0.00"]
 
 
+
+
+def test_no_tool_tips_leaves_limitations_and_tips_out_of_every_description():
+    full = fg.make_tools(["Python_Coder_Tool", "Wikipedia_RAG_Search_Tool"], RoleEngine())
+    brief = fg.make_tools(["Python_Coder_Tool", "Wikipedia_RAG_Search_Tool"], RoleEngine(), tips=False)
+    for name in full:
+        assert "Limitations:" in full[name].describe() and "Tips:" in full[name].describe()
+        assert "Limitations:" not in brief[name].describe() and "Tips:" not in brief[name].describe()
+        assert brief[name].describe() == full[name].describe().split("\n  Limitations:")[0]
+    cfg = fg.parse_config(["--preset", "cpu"])
+    assert not cfg.tool_tips and fg.parse_config(["--preset", "cpu", "--tool-tips"]).tool_tips
