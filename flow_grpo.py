@@ -25,16 +25,17 @@ Every turn is trained with ITS OWN prompt s_it, which already holds the memory a
 environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the base model:
 the same weights with the LoRA adapter switched off (peft's disable_adapter()), so there is no second copy.
 
-WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO itself; the rest is plumbing.
-    8  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
-    8  action_logprobs    the same log-probs recomputed in one batched, differentiable forward pass
-    10 group_advantages   A_i from the rewards of each group of G trajectories
-    11 grpo_loss          clipped ratio (with verl's dual clip), k3 KL, three aggregations of the token losses
-    12 update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
-  Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
-  9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
-  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary;
-  in sample_actions U distinct prompts, R rows still decoding, L columns so far.
+WHERE THE ALGORITHM IS. Sections 3 to 6, right after the config, are Flow-GRPO itself: torch and a model, no agent.
+    3  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
+    3  action_logprobs    the same log-probs recomputed in one batched, differentiable forward pass
+    4  group_advantages   A_i from the rewards of each group of G trajectories
+    5  grpo_loss          clipped ratio (with verl's dual clip), k3 KL, three aggregations of the token losses
+    6  update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
+  Then the agent that produces the trajectories: 7 LLM engines, 8 output schemas, 9 memory, 10 tools and the sandbox,
+  11 the agent loop; 12 the rollout (agent + sampler: one training row per planner turn), 13 the reward, 14 the
+  training loop and checkpoints, 15 evaluation and the command line.
+  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary,
+  L columns (prompt and action tokens); in sample_actions U distinct prompts and R the rows still decoding.
 
 SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance:
 --sft-steps N first fits format-only plans with a random tool (cross-entropy); GRPO then learns WHICH tool from reward.
@@ -189,7 +190,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 output_dir="runs/cpu"),
 }
 
-AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
+AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
 CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "turn"),
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
            "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
@@ -246,7 +247,324 @@ def log(msg: str) -> None:
     """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
     print(terminal_safe(msg), file=sys.stderr, flush=True)
 
-# ======== 3. LLM engines: one interface that returns text, or a validated pydantic object ============
+# ======== 3. Sampling with log-prob capture ==========================================================
+# Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
+# logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
+# penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
+
+USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
+
+def usage(**add: float) -> Counter:
+    """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
+    seconds in forward passes (forward_s); returns a copy (usage() reads it). timed() splits it by rollout phase."""
+    with _USAGE_LOCK:
+        USAGE.update(add)
+        return USAGE.copy()
+
+@dataclass
+class Sample:
+    """One sampled action; its tensors are 1-D and unpadded."""
+    prompt_ids: torch.Tensor  # [P] the rendered prompt
+    action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
+    logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
+    text: str  # the action decoded, special tokens dropped
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
+    return sorted(i for i in ids if i is not None)
+
+@torch.no_grad()
+def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
+                   share_prefill: bool = True) -> list[Sample]:
+    """Batched sampling with a KV cache, recording behaviour log-probs; `prompts` are rendered chat strings. The idea,
+    per step: logp = log_softmax(logits / T); token = multinomial(exp(logp)); keep logp[token] (T = 0: argmax, T = 1).
+    Prompts are LEFT-padded so that every row's next token is written in the same column:
+        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
+                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
+    Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
+    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
+    KV cache copied to its rows. R: the rows still decoding (an ended row leaves batch and cache); L: columns so far."""
+    device = next(model.parameters()).device
+    distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
+    enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    ids_UP, mask_UP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
+    B, P = len(prompts), ids_UP.shape[1]
+    stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
+    cache = out.cache
+    cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
+    logits_RV, mask_RL, next_pos_R = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1
+    rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
+    tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
+    length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
+    for step in range(max_new_tokens):
+        logp_RV = torch.log_softmax(logits_RV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+        tok_R = torch.multinomial(logp_RV.exp(), 1).squeeze(1) if temperature > 0 else logp_RV.argmax(-1)
+        tok_BA[rows_R, step], logp_BA[rows_R, step] = tok_R, logp_RV.gather(1, tok_R[:, None]).squeeze(1)
+        length_B[rows_R] += 1
+        going_R = ~torch.isin(tok_R, stops)
+        if not going_R.any() or step == max_new_tokens - 1:
+            break
+        if not going_R.all():  # one copy of the cache now saves computing a dead row at every later step
+            keep = going_R.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
+        mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
+        logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
+                          cache=cache, use_cache=True).logits[:, -1]
+        next_pos_R = next_pos_R + 1
+    usage(gen_tokens=int(length_B.sum()), hit_limit=int(going_R.sum()))  # rows still going hit the limit
+    tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
+    prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
+    actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
+    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=a, logprobs=logp_BA[b, :len(a)],
+                   text=tokenizer.decode(a, skip_special_tokens=True))
+            for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
+
+def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
+                    temperature: float) -> list[torch.Tensor]:
+    """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
+    Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
+        [[pad, p0, p1 | a0, a1, pad],
+         [q0,  q1, q2 | b0, b1, b2 ]]
+    The token in column P+j is predicted by the logits of column P+j-1: we need the logits of the last A+1 columns
+    but the very last. `logits_to_keep` applies the LM head to those only (full-sequence logits of a long prompt over
+    a big vocabulary would not fit). The pad id is irrelevant: the mask comes from lengths; padded logits go unread."""
+    device = next(model.parameters()).device
+    B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
+    ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
+    for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
+        ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
+        ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
+    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+    pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1,
+                       use_cache=False).logits[:, :-1]  # no KV cache: nothing is generated after this pass
+    logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+    logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
+    return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
+
+# ======== 4. Group advantages ========================================================================
+
+def group_members(group_ids) -> list[list[int]]:
+    """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
+    members: dict[Any, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
+        members.setdefault(g, []).append(i)
+    return list(members.values())
+
+def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
+    rewards ('batch': TRL; less noisy for small G) or 1 ('none': Dr. GRPO). A group of equal rewards, or a lone sample,
+    carries no signal: exactly 0, not 0/eps noise (verl gives a lone sample its reward)."""
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
+    r_B = torch.as_tensor(rewards, dtype=torch.float32)
+    adv_B = torch.zeros_like(r_B)
+    for idx in group_members(group_ids):
+        std = r_B[idx].std() if len(idx) > 1 else torch.tensor(0.0)
+        if std > eps:  # zero-variance groups keep their zeros
+            scale_by = {"group": std + eps, "batch": r_B.std() + eps, "none": 1.0}[scale]
+            adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
+    return adv_B
+
+def zero_std_frac(rewards, group_ids) -> float:
+    """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
+    r, groups = [float(x) for x in rewards], group_members(group_ids)
+    return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
+
+# ======== 5. The clipped-ratio loss with k3 KL =======================================================
+# Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
+# a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
+# losses add up to the minibatch loss, whatever the micro-batch size.
+
+def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
+    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
+    'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
+    'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
+    'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
+    traj_ids: each row's trajectory (any hashable ids); without them 'turn' equals 'seq-mean-token-mean'."""
+    mask_BA = mask_BA.float()
+    per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
+    if agg == "token-mean":
+        return mask_BA / mask_BA.sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        return per_row_BA / mask_BA.shape[0]
+    if agg == "turn":
+        trajs = group_members(range(mask_BA.shape[0]) if traj_ids is None else traj_ids)
+        turns_B = torch.empty(mask_BA.shape[0], device=mask_BA.device)
+        for idx in trajs:
+            turns_B[idx] = len(idx)  # T_i for the trajectory of each row
+        return per_row_BA / (turns_B[:, None] * len(trajs))
+    raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
+
+def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
+              mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
+              clip_ratio_c: Optional[float] = 3.0, kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
+              weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """The Flow-GRPO loss (to MINIMISE) and its statistics. One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA
+    under pi_theta, pi_old, pi_ref; adv_B its A_i. weights: precomputed aggregation_weights for these rows
+    (micro-batches of a bigger minibatch); by default computed from `agg` and traj_ids over this batch alone.
+    Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
+    region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
+    smaller one and the gradient flows - so the clip never shields a move that makes things worse.
+    clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
+    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update."""
+    mask_BA = mask_BA.bool()
+    w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
+    # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
+    # The clamps (as verl's) keep exp() finite, so a stale pi_old or a far-off pi_ref cannot give inf or NaN.
+    ratio_BA = torch.exp(torch.where(mask_BA, logp_BA - old_logp_BA, 0.0).clamp(-20, 20))
+    adv_B1 = adv_B.to(logp_BA.device, logp_BA.dtype)[:, None]
+    surr_BA = ratio_BA * adv_B1
+    surr_clipped_BA = ratio_BA.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    pg_loss_BA = -torch.minimum(surr_BA, surr_clipped_BA)
+    if clip_ratio_c:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
+        pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
+    delta_BA = torch.where(mask_BA, ref_logp_BA - logp_BA, 0.0).clamp(-20, 20)
+    kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
+    loss = ((pg_loss_BA + kl_coef * kl_BA) * w_BA).sum()
+    with torch.no_grad():
+        n = mask_BA.sum().clamp(min=1).item()
+        stats = {"clip_frac": ((surr_clipped_BA < surr_BA) & mask_BA).sum().item() / n,
+                 "dual_clip_frac": ((adv_B1 < 0) & (ratio_BA > (clip_ratio_c or math.inf)) & mask_BA).sum().item() / n,
+                 "kl": (kl_BA * mask_BA).sum().item() / n, "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
+                 "tokens": int(mask_BA.sum().item())}
+    return loss, stats
+
+# ======== 6. The update: minibatches, exact gradient accumulation, clip, optimizer step ==============
+
+def adapter_disabled(model):
+    """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
+    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+
+@dataclass
+class Row:
+    """One planner turn, ready for the update: trained with its OWN prompt (the state s_t at that turn)."""
+    prompt_ids: torch.Tensor  # [P]
+    action_ids: torch.Tensor  # [A]
+    logprobs: torch.Tensor  # [A] behaviour log-probs, captured while sampling (Sample.logprobs)
+    advantage: float  # the trajectory's A_i, broadcast to each of its turns
+    traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
+    old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
+    ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
+
+def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
+    out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+    len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
+    return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
+
+@torch.no_grad()
+def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
+                  base: bool = False) -> None:
+    """No-grad log-probs of every row's actions, stored in row.<attr>: pi_old (adapter on) or pi_ref (base=True)."""
+    with adapter_disabled(model) if base else contextlib.nullcontext():
+        for i in range(0, len(rows), micro_batch_size):
+            chunk = rows[i:i + micro_batch_size]
+            logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
+                                    temperature=temperature)
+            for r, logp_A in zip(chunk, logps):
+                setattr(r, attr, logp_A.cpu())
+
+def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
+    """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
+    Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
+    all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
+    total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
+    for i in range(0, len(rows), cfg.micro_batch_size):
+        chunk = rows[i:i + cfg.micro_batch_size]
+        logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
+                                                     [r.action_ids for r in chunk], temperature=cfg.temperature))
+        dev = logp_BA.device
+        # None: this forward IS pi_old (one pass) / there is no KL term - detached copies give ratio 1, KL 0
+        old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
+        ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
+        adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
+        w_BA = all_weights_BA[i:i + len(chunk), :mask_BA.shape[1]].to(dev)
+        loss, st = grpo_loss(logp_BA, old_BA, ref_BA, adv_B, mask_BA, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                             clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BA)
+        if not torch.isfinite(loss):
+            return None, {}
+        loss.backward()
+        total += loss.item()
+        sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
+    return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
+
+def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
+    """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
+    state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
+    trajs = sorted({r.traj_id for r in rows})
+    random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)
+    n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
+    chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
+    return [[r for r in rows if r.traj_id in c] for c in chosen]
+
+def has_signal(rows: list[Row], cfg: Config) -> bool:
+    """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
+    yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
+    return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
+
+def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
+    """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
+    sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
+    the update's forward IS pi_old (old_logp stays None). pi_ref (adapter off): only for a KL term. Both come from the
+    first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1, KL > 0 at once)."""
+    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
+    if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
+        return
+    if cfg.old_logprobs == "captured":
+        for r in rows:
+            r.old_logp = r.logprobs
+    for mb in minibatches(rows, cfg, step, epoch=0):
+        if cfg.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.num_minibatches > 1):
+            fill_logprobs(model, mb, attr="old_logp", **kw)
+        if cfg.kl_coef > 0:
+            fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
+
+def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
+    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
+    signal costs nothing; one whose loss or gradient norm is not finite is skipped: no NaN reaches the adapter."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums, skipped, no_signal = Counter(), 0, 0
+    model.train()
+    for epoch in range(cfg.ppo_epochs):
+        for mb in minibatches(rows, cfg, step, epoch):
+            if not has_signal(mb, cfg):
+                no_signal += 1
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            loss, st = minibatch_loss_and_backward(model, mb, cfg)
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
+            if norm is None or not torch.isfinite(norm):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            optimizer.step()
+            sums.update(st, loss=loss, grad_norm=norm.item(), updates=1)
+    done = max(1, sums["updates"])
+    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean", "grad_norm")}, "skipped_updates": skipped,
+            "no_signal_minibatches": no_signal, "updates": sums["updates"],
+            "loss": sums["loss"] / done if sums["updates"] else float("nan")}
+
+def make_optimizer(model, cfg: Config):
+    """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_lambda(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)  # 1.0 at the last step
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+# ======== 7. LLM engines: one interface that returns text, or a validated pydantic object ============
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
@@ -280,15 +598,6 @@ def schema_instruction(schema: type[BaseModel]) -> str:
     lines = [f'- "{k}" ({v.get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
              f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
-
-USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
-
-def usage(**add: float) -> Counter:
-    """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
-    seconds in forward passes (forward_s); returns a copy (usage() reads it). timed() splits it by rollout phase."""
-    with _USAGE_LOCK:
-        USAGE.update(add)
-        return USAGE.copy()
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -413,10 +722,6 @@ def render_chat(tokenizer, prompt: str) -> str:
     """A user message in the model's own chat template, ending where the assistant's reply begins."""
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
-
-def adapter_disabled(model):
-    """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
-    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
 
 # One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
 # model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
@@ -587,7 +892,7 @@ class LocalEngine(Engine):
                          for r, t in enumerate(texts)]
         return outs
 
-# ======== 4. Structured outputs: what each role must answer ==========================================
+# ======== 8. Structured outputs: what each role must answer ==========================================
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
 
 class QueryAnalysis(BaseModel):
@@ -619,7 +924,7 @@ class JudgeVerdict(BaseModel):
     analysis: str = Field(description="compare the two answers briefly")
     correct: bool = Field(description="true if the answer is equivalent to the ground truth")
 
-# ======== 5. Memory ==================================================================================
+# ======== 9. Memory ==================================================================================
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
     """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
@@ -661,7 +966,7 @@ class Memory:
             texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
         return " ".join(texts)[-max_chars:]
 
-# ======== 6. Tools ===================================================================================
+# ======== 10. Tools ==================================================================================
 # A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
 # learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
@@ -1229,7 +1534,7 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
         tools[WikipediaTool.name].corpus = wiki_corpus
     return tools
 
-# ======== 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
+# ======== 11. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
 # solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
 # rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
 
@@ -1397,97 +1702,7 @@ def format_trajectory(st: AgentState) -> str:
         lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) and st.stats["parse_fail:verdict"] else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
-# ======== 8. Rollout with log-prob capture ===========================================================
-# Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
-# logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
-# penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
-
-@dataclass
-class Sample:
-    """One sampled action; its tensors are 1-D and unpadded."""
-    prompt_ids: torch.Tensor  # [P] the rendered prompt
-    action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
-    logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
-    text: str  # the action decoded, special tokens dropped
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
-    return sorted(i for i in ids if i is not None)
-
-@torch.no_grad()
-def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
-                   share_prefill: bool = True) -> list[Sample]:
-    """Batched sampling with a KV cache, recording behaviour log-probs; `prompts` are rendered chat strings. The idea,
-    per step: logp = log_softmax(logits / T); token = multinomial(exp(logp)); keep logp[token] (T = 0: argmax, T = 1).
-    Prompts are LEFT-padded so that every row's next token is written in the same column:
-        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
-                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
-    Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
-    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
-    KV cache copied to its rows. R: the rows still decoding (an ended row leaves batch and cache); L: columns so far."""
-    device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
-    enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids_UP, mask_UP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
-    B, P = len(prompts), ids_UP.shape[1]
-    stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
-    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-    cache = out.cache
-    cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
-    logits_RV, mask_RL, next_pos_R = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1
-    rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
-    tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
-    length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
-    for step in range(max_new_tokens):
-        logp_RV = torch.log_softmax(logits_RV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-        tok_R = torch.multinomial(logp_RV.exp(), 1).squeeze(1) if temperature > 0 else logp_RV.argmax(-1)
-        tok_BA[rows_R, step], logp_BA[rows_R, step] = tok_R, logp_RV.gather(1, tok_R[:, None]).squeeze(1)
-        length_B[rows_R] += 1
-        going_R = ~torch.isin(tok_R, stops)
-        if not going_R.any() or step == max_new_tokens - 1:
-            break
-        if not going_R.all():  # one copy of the cache now saves computing a dead row at every later step
-            keep = going_R.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
-        mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
-        logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
-                          cache=cache, use_cache=True).logits[:, -1]
-        next_pos_R = next_pos_R + 1
-    usage(gen_tokens=int(length_B.sum()), hit_limit=int(going_R.sum()))  # rows still going hit the limit
-    tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
-    prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
-    actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
-    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=a, logprobs=logp_BA[b, :len(a)],
-                   text=tokenizer.decode(a, skip_special_tokens=True))
-            for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
-
-def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
-                    temperature: float) -> list[torch.Tensor]:
-    """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
-    Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
-        [[pad, p0, p1 | a0, a1, pad],
-         [q0,  q1, q2 | b0, b1, b2 ]]
-    The token in column P+j is predicted by the logits of column P+j-1: we need the logits of the last A+1 columns
-    but the very last. `logits_to_keep` applies the LM head to those only (full-sequence logits of a long prompt over
-    a big vocabulary would not fit). The pad id is irrelevant: the mask comes from lengths; padded logits go unread."""
-    device = next(model.parameters()).device
-    B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
-    ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
-    for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
-        ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
-        ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
-    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
-    pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
-    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1,
-                       use_cache=False).logits[:, :-1]  # no KV cache: nothing is generated after this pass
-    logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-    logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
-    return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
+# ======== 12. Rollout: the agent's B x G trajectories, the policy sampling every plan ================
 
 def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, tools: dict, *, group_size: int,
             timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
@@ -1502,7 +1717,19 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
                        tools=tools, **agent_options(cfg), timings=timings)
 
-# ======== 9. Judge reward ============================================================================
+def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
+               unit: str = "trajectory") -> list[Row]:
+    """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
+    unit='turn' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
+    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
+    if unit == "turn":
+        adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
+    else:
+        adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
+    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
+            for (i, s), a in zip(turns, adv_B.tolist())]
+
+# ======== 13. Judge reward ===========================================================================
 # The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, math-verify
 # (10^{3} = 1000, sets in any order), then a claim in a short sentence ('The largest planet is Jupiter.'). What needs
 # the question or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL characters are
@@ -1765,95 +1992,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
                                schema=JudgeVerdict)
     return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
-# ======== 10. Group advantages =======================================================================
-
-def group_members(group_ids) -> list[list[int]]:
-    """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
-    members: dict[Any, list[int]] = {}
-    for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
-        members.setdefault(g, []).append(i)
-    return list(members.values())
-
-def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
-    """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
-    rewards ('batch': TRL; less noisy for small G) or 1 ('none': Dr. GRPO). A group of equal rewards, or a lone sample,
-    carries no signal: exactly 0, not 0/eps noise (verl gives a lone sample its reward)."""
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
-    r_B = torch.as_tensor(rewards, dtype=torch.float32)
-    adv_B = torch.zeros_like(r_B)
-    for idx in group_members(group_ids):
-        std = r_B[idx].std() if len(idx) > 1 else torch.tensor(0.0)
-        if std > eps:  # zero-variance groups keep their zeros
-            scale_by = {"group": std + eps, "batch": r_B.std() + eps, "none": 1.0}[scale]
-            adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
-    return adv_B
-
-def zero_std_frac(rewards, group_ids) -> float:
-    """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
-    r, groups = [float(x) for x in rewards], group_members(group_ids)
-    return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
-
-# ======== 11. The clipped-ratio loss with k3 KL ======================================================
-# Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
-# a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
-# losses add up to the minibatch loss, whatever the micro-batch size.
-
-def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
-    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
-    'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
-    'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
-    'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
-    traj_ids: each row's trajectory (any hashable ids); without them 'turn' equals 'seq-mean-token-mean'."""
-    mask_BA = mask_BA.float()
-    per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
-    if agg == "token-mean":
-        return mask_BA / mask_BA.sum().clamp(min=1)
-    if agg == "seq-mean-token-mean":
-        return per_row_BA / mask_BA.shape[0]
-    if agg == "turn":
-        trajs = group_members(range(mask_BA.shape[0]) if traj_ids is None else traj_ids)
-        turns_B = torch.empty(mask_BA.shape[0], device=mask_BA.device)
-        for idx in trajs:
-            turns_B[idx] = len(idx)  # T_i for the trajectory of each row
-        return per_row_BA / (turns_B[:, None] * len(trajs))
-    raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
-
-def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
-              mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
-              clip_ratio_c: Optional[float] = 3.0, kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
-              weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """The Flow-GRPO loss (to MINIMISE) and its statistics. One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA
-    under pi_theta, pi_old, pi_ref; adv_B its A_i. weights: precomputed aggregation_weights for these rows
-    (micro-batches of a bigger minibatch); by default computed from `agg` and traj_ids over this batch alone.
-    Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
-    region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
-    smaller one and the gradient flows - so the clip never shields a move that makes things worse.
-    clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
-    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update."""
-    mask_BA = mask_BA.bool()
-    w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
-    # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
-    # The clamps (as verl's) keep exp() finite, so a stale pi_old or a far-off pi_ref cannot give inf or NaN.
-    ratio_BA = torch.exp(torch.where(mask_BA, logp_BA - old_logp_BA, 0.0).clamp(-20, 20))
-    adv_B1 = adv_B.to(logp_BA.device, logp_BA.dtype)[:, None]
-    surr_BA = ratio_BA * adv_B1
-    surr_clipped_BA = ratio_BA.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    pg_loss_BA = -torch.minimum(surr_BA, surr_clipped_BA)
-    if clip_ratio_c:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
-        pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
-    delta_BA = torch.where(mask_BA, ref_logp_BA - logp_BA, 0.0).clamp(-20, 20)
-    kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
-    loss = ((pg_loss_BA + kl_coef * kl_BA) * w_BA).sum()
-    with torch.no_grad():
-        n = mask_BA.sum().clamp(min=1).item()
-        stats = {"clip_frac": ((surr_clipped_BA < surr_BA) & mask_BA).sum().item() / n,
-                 "dual_clip_frac": ((adv_B1 < 0) & (ratio_BA > (clip_ratio_c or math.inf)) & mask_BA).sum().item() / n,
-                 "kl": (kl_BA * mask_BA).sum().item() / n, "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
-                 "tokens": int(mask_BA.sum().item())}
-    return loss, stats
-
-# ======== 12. Training ===============================================================================
+# ======== 14. Training ===============================================================================
 
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1996,140 +2135,6 @@ def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
     for e, rows in epochs.items():
         random.Random(seed + e).shuffle(rows)
     return [epochs[k // n][k % n] for k in range(first, first + size)]
-
-@dataclass
-class Row:
-    """One planner turn, ready for the update: trained with its OWN prompt (the state s_t at that turn)."""
-    prompt_ids: torch.Tensor  # [P]
-    action_ids: torch.Tensor  # [A]
-    logprobs: torch.Tensor  # [A] behaviour log-probs, captured while sampling (Sample.logprobs)
-    advantage: float  # the trajectory's A_i, broadcast to each of its turns
-    traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
-    old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
-    ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
-
-def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
-               unit: str = "trajectory") -> list[Row]:
-    """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
-    unit='turn' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
-    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
-    if unit == "turn":
-        adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
-    else:
-        adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
-    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
-            for (i, s), a in zip(turns, adv_B.tolist())]
-
-def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
-    out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-    len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
-    return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
-
-@torch.no_grad()
-def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
-                  base: bool = False) -> None:
-    """No-grad log-probs of every row's actions, stored in row.<attr>: pi_old (adapter on) or pi_ref (base=True)."""
-    with adapter_disabled(model) if base else contextlib.nullcontext():
-        for i in range(0, len(rows), micro_batch_size):
-            chunk = rows[i:i + micro_batch_size]
-            logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
-                                    temperature=temperature)
-            for r, logp_A in zip(chunk, logps):
-                setattr(r, attr, logp_A.cpu())
-
-def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
-    """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
-    Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
-    all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
-    total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
-    for i in range(0, len(rows), cfg.micro_batch_size):
-        chunk = rows[i:i + cfg.micro_batch_size]
-        logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
-                                                     [r.action_ids for r in chunk], temperature=cfg.temperature))
-        dev = logp_BA.device
-        # None: this forward IS pi_old (one pass) / there is no KL term - detached copies give ratio 1, KL 0
-        old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
-        ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
-        adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
-        w_BA = all_weights_BA[i:i + len(chunk), :mask_BA.shape[1]].to(dev)
-        loss, st = grpo_loss(logp_BA, old_BA, ref_BA, adv_B, mask_BA, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                             clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BA)
-        if not torch.isfinite(loss):
-            return None, {}
-        loss.backward()
-        total += loss.item()
-        sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
-    return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
-
-def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
-    """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
-    state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
-    trajs = sorted({r.traj_id for r in rows})
-    random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)
-    n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
-    chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
-    return [[r for r in rows if r.traj_id in c] for c in chosen]
-
-def has_signal(rows: list[Row], cfg: Config) -> bool:
-    """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
-    yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
-    return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
-
-def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
-    """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
-    sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
-    the update's forward IS pi_old (old_logp stays None). pi_ref (adapter off): only for a KL term. Both come from the
-    first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1, KL > 0 at once)."""
-    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
-    if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
-        return
-    if cfg.old_logprobs == "captured":
-        for r in rows:
-            r.old_logp = r.logprobs
-    for mb in minibatches(rows, cfg, step, epoch=0):
-        if cfg.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.num_minibatches > 1):
-            fill_logprobs(model, mb, attr="old_logp", **kw)
-        if cfg.kl_coef > 0:
-            fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
-
-def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
-    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
-    signal costs nothing; one whose loss or gradient norm is not finite is skipped: no NaN reaches the adapter."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    sums, skipped, no_signal = Counter(), 0, 0
-    model.train()
-    for epoch in range(cfg.ppo_epochs):
-        for mb in minibatches(rows, cfg, step, epoch):
-            if not has_signal(mb, cfg):
-                no_signal += 1
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            loss, st = minibatch_loss_and_backward(model, mb, cfg)
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
-            if norm is None or not torch.isfinite(norm):
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            optimizer.step()
-            sums.update(st, loss=loss, grad_norm=norm.item(), updates=1)
-    done = max(1, sums["updates"])
-    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean", "grad_norm")}, "skipped_updates": skipped,
-            "no_signal_minibatches": no_signal, "updates": sums["updates"],
-            "loss": sums["loss"] / done if sums["updates"] else float("nan")}
-
-def make_optimizer(model, cfg: Config):
-    """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-    def lr_lambda(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)  # 1.0 at the last step
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 def run_record(cfg: Config, train_data: str = "") -> dict:
     """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
@@ -2489,7 +2494,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         curve.append(sum(rewards) / len(rewards))
     return curve
 
-# ======== 13. Evaluation and the command line ========================================================
+# ======== 15. Evaluation and the command line ========================================================
 
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
