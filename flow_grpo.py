@@ -278,14 +278,18 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
                    share_prefill: bool = True) -> list[Sample]:
-    """Batched sampling with a KV cache, recording behaviour log-probs; `prompts` are rendered chat strings. The idea,
-    per step: logp = log_softmax(logits / T); token = multinomial(exp(logp)); keep logp[token] (T = 0: argmax, T = 1).
-    Prompts are LEFT-padded so that every row's next token is written in the same column:
+    """One action per prompt (rendered chat strings), with the behaviour log-prob of each of its tokens. The idea, at
+    every step, for the R rows still decoding (T = 0: argmax instead of multinomial, log-probs at T = 1):
+        logp_RV = log_softmax(logits_RV / T)         the exact distribution we sample from; the update recomputes it
+        tok_R = multinomial(exp(logp_RV))
+        logp_BA[rows_R, step] = logp_RV[tok_R]       kept: the behaviour log-prob of each row's new token
+    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded so that each row's next token is written in
+    the same column:
         ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
     Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
     share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
-    KV cache copied to its rows. R: the rows still decoding (an ended row leaves batch and cache); L: columns so far."""
+    KV cache copied to its rows. A row that ends leaves the batch and the cache."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
     enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
