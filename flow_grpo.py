@@ -47,7 +47,7 @@ HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
     python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on the tools task ('smoke': tiny)
 
 DELIBERATE SIMPLIFICATIONS (and why)
-  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
+  * One process, one GPU: the frozen roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
     the policy's *frozen base* (adapter off), in-process; --fixed-base-url sends them to a bigger model's server.
   * Rollouts sample exactly softmax(logits / T) in our own loop, so the stored log-probs are the behaviour policy's
     (generate() applies the hub config's top-k/top-p/penalties). At scale: vLLM and --old-logprobs recompute.
@@ -89,88 +89,88 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # pe
 
 # ======== 2. Config ==================================================================================
 
-def arg(default: Any, help: str) -> Any:
+def option(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
     return field(default=default, metadata={"help": help})
 
 @dataclass
 class Config:
     # --- what to do (default: train) ---
-    ask: str = arg("", "run the agent once on this question and print the whole trajectory")
-    eval: bool = arg(False, "evaluate the planner greedily on --val-file and print accuracy")
-    benchmark: bool = arg(False, "time lockstep vs one-at-a-time rollouts, the sampling loop, remote concurrency")
-    learning_curve: bool = arg(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
-    preset: str = arg("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic (CPU, offline)")
-    plot: bool = arg(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
+    ask: str = option("", "run the agent once on this question and print the whole trajectory")
+    eval: bool = option(False, "evaluate the planner greedily on --val-file and print accuracy")
+    benchmark: bool = option(False, "time lockstep vs one-at-a-time rollouts, the sampling loop, remote concurrency")
+    learning_curve: bool = option(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
+    preset: str = option("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic (CPU, offline)")
+    plot: bool = option(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
     # --- models and engines ---
-    model: str = arg("Qwen/Qwen2.5-1.5B-Instruct", "policy base: HF id, folder, .gguf file, 'smollm2-135m' or 'tiny'")
-    adapter: str = arg("", "a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training")
-    fixed_base_url: str = arg("", "OpenAI-compatible URL for the fixed roles; empty = frozen base in-process")
-    fixed_model: str = arg("", "model name served at --fixed-base-url")
-    judge: str = arg("rule", "reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)")
-    judge_base_url: str = arg("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
-    judge_model: str = arg("", "model name of the LLM judge")
-    api_key_env: str = arg("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
-    embed_base_url: str = arg("", "OpenAI-compatible embeddings URL to rank RAG passages (empty = BM25, no key)")
-    embed_model: str = arg("", "embeddings model name at --embed-base-url")
-    request_timeout_s: float = arg(60.0, "timeout of one remote request (a timed-out request is not retried)")
-    device: str = arg("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
-    dtype: str = arg("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small early "
-                     "LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
-    load_in_4bit: bool = arg(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
-    gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
-    phase_timeout_s: float = arg(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
+    model: str = option("Qwen/Qwen2.5-1.5B-Instruct", "policy base: HF id, folder, .gguf file, 'smollm2-135m', 'tiny'")
+    adapter: str = option("", "a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training")
+    fixed_base_url: str = option("", "OpenAI-compatible URL for the fixed roles; empty = frozen base in-process")
+    fixed_model: str = option("", "model name served at --fixed-base-url")
+    judge: str = option("rule", "reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)")
+    judge_base_url: str = option("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
+    judge_model: str = option("", "model name of the LLM judge")
+    api_key_env: str = option("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
+    embed_base_url: str = option("", "OpenAI-compatible embeddings URL to rank RAG passages (empty = BM25, no key)")
+    embed_model: str = option("", "embeddings model name at --embed-base-url")
+    request_timeout_s: float = option(60.0, "timeout of one remote request (a timed-out request is not retried)")
+    device: str = option("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
+    dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small "
+                        "early LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
+    load_in_4bit: bool = option(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
+    gradient_checkpointing: bool = option(False, "trade compute for memory in the update")
+    phase_timeout_s: float = option(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
     # --- data ---
-    train_file: str = arg("data/train/combined_train.parquet", "training parquet from prepare_data.py")
-    val_file: str = arg("data/val/aime24.parquet", "validation parquet for --eval")
-    eval_limit: int = arg(0, "evaluate on the first N validation questions only (0 = all)")
-    eval_every: int = arg(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
-    wiki_corpus: str = arg("", "offline Wikipedia: a JSONL file of {title, text} pages searched with BM25 (no network)")
+    train_file: str = option("data/train/combined_train.parquet", "training parquet from prepare_data.py")
+    val_file: str = option("data/val/aime24.parquet", "validation parquet for --eval")
+    eval_limit: int = option(0, "evaluate on the first N validation questions only (0 = all)")
+    eval_every: int = option(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
+    wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
-    tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
-                     "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
-    max_turns: int = arg(5, "planner turns per trajectory at most")
-    verify: bool = arg(True, "ask the frozen verifier after each turn whether to stop (--no-verify: always max_turns)")
-    analysis: bool = arg(True, "the frozen analyst studies the question first; its notes go into every planner prompt")
-    max_new_tokens: int = arg(256, "longest planner action, in tokens")
-    fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
-    memory_chars: int = arg(2000, "every string in a tool result is cut to this many characters in memory")
-    tool_timeout_s: float = arg(10.0, "wall-clock limit of one tool call (Python sandbox, web requests)")
-    tool_workers: int = arg(8, "tool calls running at once")
+    tools: str = option("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
+                        "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
+    max_turns: int = option(5, "planner turns per trajectory at most")
+    verify: bool = option(True, "ask the frozen verifier after each turn whether to stop (--no-verify: all max_turns)")
+    analysis: bool = option(True, "the frozen analyst reads the question first; its notes go into every planner prompt")
+    max_new_tokens: int = option(256, "longest planner action, in tokens")
+    fixed_max_tokens: int = option(512, "longest output of a fixed role or a tool's LLM call")
+    memory_chars: int = option(2000, "every string in a tool result is cut to this many characters in memory")
+    tool_timeout_s: float = option(10.0, "wall-clock limit of one tool call (Python sandbox, web requests)")
+    tool_workers: int = option(8, "tool calls running at once")
     # --- rollout and Flow-GRPO ---
-    batch_size: int = arg(4, "B: questions per training step")
-    group_size: int = arg(8, "G: trajectories sampled per question (the GRPO group)")
-    temperature: float = arg(0.7, "sampling temperature of the planner during rollouts")
-    adv_scale: str = arg("group", "advantage scaling: 'group' std, 'batch' std, or 'none'")
-    agg: str = arg("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
-    clip_low: float = arg(0.2, "ratio clipped below at 1 - clip_low")
-    clip_high: float = arg(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
-    kl_coef: float = arg(0.001, "beta: weight of the k3 KL to the base model")
-    old_logprobs: str = arg("recompute", "pi_old: 'recompute' (by the update's own code) or 'captured' (the sampler's)")
-    ppo_epochs: int = arg(1, "passes over each rollout batch")
-    num_minibatches: int = arg(1, "optimizer steps per pass (the batch is split by trajectory)")
-    micro_batch_size: int = arg(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
-    clip_ratio_c: float = arg(3.0, "dual clip (verl/AgentFlow): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
-    adv_unit: str = arg("trajectory", "advantages over a question's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
+    batch_size: int = option(4, "B: questions per training step")
+    group_size: int = option(8, "G: trajectories sampled per question (the GRPO group)")
+    temperature: float = option(0.7, "sampling temperature of the planner during rollouts")
+    adv_scale: str = option("group", "advantage scaling: 'group' std, 'batch' std, or 'none'")
+    agg: str = option("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
+    clip_low: float = option(0.2, "ratio clipped below at 1 - clip_low")
+    clip_high: float = option(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
+    kl_coef: float = option(0.001, "beta: weight of the k3 KL to the base model")
+    old_logprobs: str = option("recompute", "pi_old: 'recompute' (the update's own code) or 'captured' (the sampler's)")
+    ppo_epochs: int = option(1, "passes over each rollout batch")
+    num_minibatches: int = option(1, "optimizer steps per pass (the batch is split by trajectory)")
+    micro_batch_size: int = option(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
+    clip_ratio_c: float = option(3.0, "dual clip (verl's): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
+    adv_unit: str = option("trajectory", "advantages over a group's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
     # --- optimisation ---
-    lr: float = arg(1e-5, "AdamW learning rate of the LoRA weights")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    warmup_steps: int = arg(5, "linear warmup steps before the cosine decay")
-    max_steps: int = arg(200, "training steps (one rollout batch each)")
-    dynamic_sampling: int = arg(0, "DAPO: drop groups of equal rewards, roll out up to N more batches to fill B groups")
-    max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    lora_r: int = arg(16, "LoRA rank")
-    lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
-    lora_dropout: float = arg(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
-    lora_targets: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
-    sft_steps: int = arg(0, "SFT warm start: steps on format-only plans (tool drawn at random) before GRPO")
-    sft_lr: float = arg(1e-4, "learning rate of the SFT warm start (its own AdamW, constant)")
+    lr: float = option(1e-5, "AdamW learning rate of the LoRA weights")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    warmup_steps: int = option(5, "linear warmup steps before the cosine decay")
+    max_steps: int = option(200, "training steps (one rollout batch each)")
+    dynamic_sampling: int = option(0, "DAPO: drop equal-reward groups, roll out up to N more batches to fill B groups")
+    max_grad_norm: float = option(1.0, "gradient-norm clip")
+    lora_r: int = option(16, "LoRA rank")
+    lora_alpha: int = option(32, "LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = option(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
+    lora_targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
+    sft_steps: int = option(0, "SFT warm start: steps on format-only plans (tool drawn at random) before GRPO")
+    sft_lr: float = option(1e-4, "learning rate of the SFT warm start (its own AdamW, constant)")
     # --- bookkeeping ---
-    seed: int = arg(42, "seed of data order, sampling and initialisation")
-    output_dir: str = arg("runs/flow_grpo", "metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here")
-    save_every: int = arg(25, "save a checkpoint every N steps (and at the end, and on Ctrl-C)")
-    log_rollouts: int = arg(2, "full trajectories written to rollouts.jsonl per step")
-    resume: bool = arg(False, "continue from the newest checkpoint in --output-dir")
+    seed: int = option(42, "seed of data order, sampling and initialisation")
+    output_dir: str = option("runs/flow_grpo", "metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here")
+    save_every: int = option(25, "save a checkpoint every N steps (and at the end, and on Ctrl-C)")
+    log_rollouts: int = option(2, "full trajectories written to rollouts.jsonl per step")
+    resume: bool = option(False, "continue from the newest checkpoint in --output-dir")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
@@ -825,7 +825,7 @@ class SchemaMask:
         return scores_BV
 
 class LocalEngine(Engine):
-    """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
+    """Greedy generation on the policy's weights: use_adapter=False (the frozen roles) switches LoRA off, so this IS
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
     JSON unfinished at the token limit gives "". Calls queue; whoever gets the lock serves them all in one batch."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
@@ -1576,9 +1576,9 @@ def answer_prompt(question: str, memory: Memory) -> str:
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
 
-def analyse(questions: list[str], fixed: Engine, tools: dict) -> list[str]:
+def analyse(questions: list[str], frozen: Engine, tools: dict) -> list[str]:
     """The frozen analyst's notes per question, as the JSON text the planner reads ("(no analysis)" if unparsed)."""
-    analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
+    analyses = frozen.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
     return [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]
 
 @dataclass
@@ -1612,7 +1612,7 @@ def timed(timings: Optional[dict], key: str):
         for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
             timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
 
-def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
+def write_calls(live: list[AgentState], plans: list, frozen: Engine, tools: dict, timings: Optional[dict]) -> list:
     """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
     Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them."""
     calls: list[Optional[dict]] = [None] * len(live)
@@ -1620,7 +1620,7 @@ def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict,
     for name in sorted({plans[i].tool_name for i in todo}):
         rows = [i for i in todo if plans[i].tool_name == name]
         with timed(timings, "fixed"):
-            made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+            made = frozen.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
                                   schema=tools[name].input_model)
         for i, c in zip(rows, made):
             calls[i] = c and c.model_dump()
@@ -1641,14 +1641,14 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
-def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
+def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], frozen: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 analysis: bool = True, timings: Optional[dict] = None) -> list[AgentState]:
     """Run the agent on every question, all trajectories in lockstep; verify=False: always max_turns turns;
     analysis=False: no query analysis (its notes are left out of the prompts)."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
-        for st, text in zip(states, analyse(questions, fixed, tools) if analysis else []):
+        for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
             st.analysis = text
             st.stats["parse_fail:analysis"] += text == "(no analysis)"
     slots = threading.Semaphore(max(1, tool_workers))
@@ -1663,13 +1663,13 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         texts = [getattr(o, "text", o) for o in outputs]
         plans = [parse_structured(t, NextStep) for t in texts]
         # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
-        calls = write_calls(live, plans, fixed, tools, timings)
+        calls = write_calls(live, plans, frozen, tools, timings)
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
         with timed(timings, "tools"):
             ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
-                                 slots, fixed.phase_timeout_s, "tool calls")
+                                 slots, frozen.phase_timeout_s, "tool calls")
         ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
-                     {"error": f"no result within {fixed.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
+                     {"error": f"no result within {frozen.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
         # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
         for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
             st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
@@ -1681,7 +1681,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         if turn == max_turns or not verify:  # (after the last turn a verdict would change nothing)
             continue
         with timed(timings, "fixed"):
-            verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
+            verdicts = frozen.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
                                       schema=Verification)
         for st, v in zip(live, verdicts):
             st.turns[-1].verdict = v
@@ -1689,7 +1689,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
             st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
     with timed(timings, "fixed"):
-        finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
+        finals = frozen.generate([answer_prompt(st.question, st.memory) for st in states])
     for st, text in zip(states, map(str.strip, finals)):
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
     return states
@@ -1708,7 +1708,7 @@ def format_trajectory(st: AgentState) -> str:
 
 # ======== 12. Rollout: the agent's B x G trajectories, the policy sampling every plan ================
 
-def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, tools: dict, *, group_size: int,
+def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine, tools: dict, *, group_size: int,
             timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
@@ -1718,7 +1718,7 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
                                   temperature=cfg.temperature, share_prefill=share_prefill)
 
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
-    return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
+    return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
                        tools=tools, **agent_options(cfg), timings=timings)
 
 def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
@@ -2084,7 +2084,7 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model.enable_input_require_grads()
     return model, tokenizer
 
-def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
+def probe_server(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     """One tiny structured request before anything else: a wrong URL or model name is one clear line at start-up,
     not a whole run of empty answers and zero rewards; and the server's structured-output mode is settled."""
     engine.ask("Reply with OK.", schema=Verification, max_tokens=16)
@@ -2101,13 +2101,13 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
 
     def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
-        return checked(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
+        return probe_server(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
                                     phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
 
-    fixed = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
+    frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
         if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
-    fixed.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
-    judge = None if cfg.judge == "rule" else fixed
+    frozen.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
+    judge = None if cfg.judge == "rule" else frozen
     if judge and cfg.judge_base_url:
         judge = remote("--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256)
     options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s}
@@ -2116,7 +2116,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
-    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, wiki_corpus=corpus, **options), judge
+    return model, tokenizer, frozen, make_tools(tool_names(cfg), frozen, wiki_corpus=corpus, **options), judge
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
@@ -2140,7 +2140,7 @@ def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
         random.Random(seed + e).shuffle(rows)
     return [epochs[k // n][k % n] for k in range(first, first + size)]
 
-def run_record(cfg: Config, train_data: str = "") -> dict:
+def run_settings(cfg: Config, train_data: str = "") -> dict:
     """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
     with other rows would change what every later step draws; --resume compares both)."""
     return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
@@ -2154,7 +2154,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
         model.save_pretrained(tmp)
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
                    tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
-        (tmp / "config.json").write_text(json.dumps(run_record(cfg, train_data), indent=1))
+        (tmp / "config.json").write_text(json.dumps(run_settings(cfg, train_data), indent=1))
     except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos", a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(f"error: could not write {final} ({_short_error(e, 200)}); the logs and older checkpoints are "
@@ -2214,7 +2214,7 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
     if (ckpt := latest_checkpoint(out_dir)) is None:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
         return None
-    saved, now = json.loads((ckpt / "config.json").read_text()), run_record(cfg, train_data)
+    saved, now = json.loads((ckpt / "config.json").read_text()), run_settings(cfg, train_data)
     changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in saved if k in now and saved[k] != now[k]
                and (k not in RESUME_SAFE or k.endswith("_base_url") and "" in (saved[k], now[k]))]  # ("": in-process)
     if changed:
@@ -2258,17 +2258,17 @@ def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
             "structured_valid": rate("structured_valid", "structured"),
             "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
 
-def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge: Optional[Engine], tools: dict,
+def rollout_and_judge(model, tokenizer, batch: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict,
                       cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
     """G trajectories per question of `batch` (trajectory i answers batch[i // G]), their rewards, judge fallbacks."""
-    G = cfg.group_size
-    states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, fixed, tools, group_size=G, timings=timings)
+    G, questions = cfg.group_size, [b["question"] for b in batch]
+    states = rollout(model, tokenizer, questions, cfg, frozen, tools, group_size=G, timings=timings)
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
                                        [b["answer"] for b in batch for _ in range(G)], judge,
                                        [b.get("source") for b in batch for _ in range(G)])
     return states, rewards, fallbacks
 
-def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fixed: Engine, judge: Optional[Engine],
+def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], frozen: Engine, judge: Optional[Engine],
                   tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
     """DAPO's dynamic sampling (--dynamic-sampling N): groups of equal rewards are dropped, and up to N more batches
     (their own seeded RNG: resumable) rolled out until B groups with variance are kept (N = 0: all are kept)."""
@@ -2277,7 +2277,7 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fi
         if attempt:
             draw = random.Random(f"dynamic-{cfg.seed}-{step}-{attempt}")
             batch = [data_rows[i] for i in draw.sample(range(len(data_rows)), min(cfg.batch_size, len(data_rows)))]
-        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, fixed, judge, tools, cfg, timings)
+        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
         c.update(rollouts=1, groups=len(batch), flat_groups=zero_std_frac(rewards, [i // G for i in range(len(states))])
                  * len(batch), judge_fallbacks=fallbacks, trajectories=len(states), reward_sum=sum(rewards))
         for g in range(len(batch)):
@@ -2290,15 +2290,15 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fi
     n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
     return kept_states[:n], kept_rewards[:n], c
 
-def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
+def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen: Engine, judge: Optional[Engine],
                tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None
                ) -> tuple[dict, list[AgentState], list[float]]:
     """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
     reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
-    engines = {id(e): e for e in (fixed, judge) if e is not None}.values()  # the judge may be the fixed engine
+    engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
     G, timings, t0 = cfg.group_size, {}, time.perf_counter()
-    sent = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, and failed
-    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, fixed, judge, tools, cfg, step,
+    before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
+    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
                                        timings)
     group_ids = [i // G for i in range(len(states))]
     rows = build_rows(states, rewards, group_ids, cfg.adv_scale, cfg.adv_unit)
@@ -2316,8 +2316,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
                **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit")
                   for k in ("planner", "fixed", "tools")},
-               "engine_requests": sum(e.requests for e in engines) - sent[0],
-               "engine_failures": sum(e.failures for e in engines) - sent[1]}
+               "engine_requests": sum(e.requests for e in engines) - before[0],
+               "engine_failures": sum(e.failures for e in engines) - before[1]}
     return metrics, states, rewards
 
 class GracefulInterrupt:
@@ -2346,7 +2346,7 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
     """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens."""
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
 
-def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
+def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (with the frozen analyst's real notes)
     -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t, each step, own AdamW. Every question is paired
     with every tool equally often, so the fit is uniform over tools per question: no tool is taught, and no question
@@ -2354,7 +2354,7 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
     rng, names = random.Random(f"sft-{cfg.seed}"), list(tools)
     pool = [r["question"] for r in rng.sample(rows, min(len(rows), max(1, cfg.batch_size * cfg.group_size
                                                                        // len(names))))]
-    texts = analyse(pool, fixed, tools) if cfg.analysis else [""] * len(pool)
+    texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
     pairs = [(q, t, name) for q, t in zip(pool, texts) for name in names]  # B x G rows per step, as in a rollout
     prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
                             add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t, _ in pairs]
@@ -2382,14 +2382,14 @@ def route(st: AgentState) -> str:
     """The tools of a trajectory's plans in order, each by its first word: 'Wikipedia>Python'."""
     return ">".join(t.plan.tool_name.split("_")[0] if t.plan else "(unparsed)" for t in st.turns) or "(none)"
 
-def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
+def greedy_eval(planner: Callable, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
     """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), routes per kind
     ({"compound": {"Wikipedia>Python": 12, ...}}), and agent_counts."""
     rewards, c, by_kind, routes = [], Counter(), {}, {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
         questions = [r["question"] for r in chunk]
-        states = solve_batch(questions, planner=planner, fixed=fixed, tools=tools, **agent_options(cfg))
+        states = solve_batch(questions, planner=planner, frozen=frozen, tools=tools, **agent_options(cfg))
         got = judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge,
                             [r.get("source") for r in chunk])[0]
         rewards += got
@@ -2401,13 +2401,13 @@ def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[E
             "by_kind": {k: sum(v) / len(v) for k, v in by_kind.items()},
             "routes": {k: dict(v.most_common()) for k, v in routes.items()}, "counts": dict(c)}
 
-def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
+def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
                      cfg: Config) -> dict:
     """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
     t0 = time.perf_counter()
     model.eval()
     planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
-    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+    result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     log(f"held-out accuracy {result['correct']}/{result['n']}: " + ", ".join(
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
@@ -2426,7 +2426,7 @@ def train(cfg: Config) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
-    model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=True)
+    model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
     start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
@@ -2434,13 +2434,13 @@ def train(cfg: Config) -> Path:
     if last and start >= cfg.max_steps:
         log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
     if cfg.sft_steps > 0 and last is None:
-        sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
+        sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
         last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
     eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit) if cfg.eval_every else []
-    held_out = functools.partial(held_out_metrics, model, tokenizer, fixed, tools, judge, eval_rows, cfg)
+    held_out = functools.partial(held_out_metrics, model, tokenizer, frozen, tools, judge, eval_rows, cfg)
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
         with open(out_dir / "metrics.jsonl", "a") as mf:
             mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
@@ -2451,7 +2451,7 @@ def train(cfg: Config) -> Path:
                  dynamic_ncols=True) as bar:
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(len(data_rows), cfg.seed, step, cfg.batch_size)]
-            metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
+            metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
                                                   tools, cfg, step, data_rows)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(held_out())
@@ -2502,16 +2502,16 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
 
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
-    model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=False)
-    return fixed, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=False)
+    return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
 
 def evaluate(cfg: Config, device: str) -> dict:
     """--eval: greedy solve of the validation set, in lockstep batches of a rollout's size (B x G); the LAST stdout
     line says what happened, in counts."""
     rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit)
-    fixed, tools, judge, planner = build_agent(cfg, device)
+    frozen, tools, judge, planner = build_agent(cfg, device)
     t0 = time.perf_counter()
-    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+    result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     c = result["counts"]
     print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
           + ", ".join(f"{t} {c.get('tool:' + t, 0)}" for t in tools) + f" ({time.perf_counter() - t0:.0f} s)")
@@ -2524,26 +2524,26 @@ def evaluate(cfg: Config, device: str) -> dict:
 
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
-    fixed, tools, _, planner = build_agent(cfg, device)
-    st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, **agent_options(cfg))[0]
+    frozen, tools, _, planner = build_agent(cfg, device)
+    st = solve_batch([cfg.ask], planner=planner.generate, frozen=frozen, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
 
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
     trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
     generated = []  # every prompt really generated goes in (LocalEngine: after its batching)
-    name = "_generate" if hasattr(fixed, "_generate") else "_complete"
-    setattr(fixed, name, lambda prompts, *a, f=getattr(fixed, name): generated.extend(prompts) or f(prompts, *a))
+    name = "_generate" if hasattr(frozen, "_generate") else "_complete"
+    setattr(frozen, name, lambda prompts, *a, f=getattr(frozen, name): generated.extend(prompts) or f(prompts, *a))
     seconds = {}
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
         torch.manual_seed(cfg.seed)
         t: dict[str, float] = {}
         generated.clear()
-        fixed.dedup = mode != "unshared"
+        frozen.dedup = mode != "unshared"
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
         with timed(seconds, mode):
-            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, fixed, tools, group_size=g,
+            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, frozen, tools, group_size=g,
                                                              timings=t, share_prefill=mode == "lockstep")]
         if mode == "lockstep":  # and one update on its turns: their share of a training step. At lr 0: the same
             n = len(states)  # work, but the next modes sample the same policy (an update would change the planner)
@@ -2612,16 +2612,16 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls. Each
     phase is split into the model's forward passes (timed by hooks, the GPU waited for) and the rest."""
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file)[:cfg.batch_size]]
-    model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
+    model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
     sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # generate() bypasses peft's forward
     core.register_forward_pre_hook(lambda *_: sync() or t0.append(time.perf_counter()))
     core.register_forward_hook(lambda *_: sync() or usage(forward_s=time.perf_counter() - t0.pop()) and None)  # (a
     # hook that returned something would replace the model's output)
-    rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
+    rollout(model, tokenizer, questions[:1], cfg, frozen, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")
-    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, fixed, tools), cfg)
+    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools), cfg)
     _remote_speedup(group)
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:

@@ -865,7 +865,7 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    fixed, inside, generate = fg.LocalEngine(model, tok, max_tokens=2), threading.Event(), model.generate
+    frozen, inside, generate = fg.LocalEngine(model, tok, max_tokens=2), threading.Event(), model.generate
 
     def slow_generate(*args, **kwargs):  # LocalEngine has switched the adapter off by now; it stays off for 1 s
         inside.set()
@@ -874,7 +874,7 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
 
     def late_call():  # a frozen-role call from another thread; returns once that call is inside generate()
         inside.clear()
-        threading.Thread(target=fixed.ask, args=("a late question",), daemon=True).start()
+        threading.Thread(target=frozen.ask, args=("a late question",), daemon=True).start()
         assert inside.wait(10)
 
     def solve(questions, *, planner, **kw):
@@ -896,7 +896,7 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
     monkeypatch.setattr(fg, "judge_rewards", judge_rewards)
     opt, sched = fg.make_optimizer(model, cfg)
     batch = [{"question": "q", "answer": "1", "source": "nq"}]
-    m, _, _ = fg.train_step(model, tok, opt, sched, batch, fixed, None, {}, cfg, 1)
+    m, _, _ = fg.train_step(model, tok, opt, sched, batch, frozen, None, {}, cfg, 1)
     assert seen["sources"] == ["nq"] * cfg.group_size
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["grad_norm"] > 0 and m["skipped_updates"] == 0
 
@@ -1066,7 +1066,7 @@ def test_openai_engine_other_400s_keep_structured_output(standin):
 
 def test_a_dead_remote_engine_is_one_line_at_start():
     with pytest.raises(SystemExit, match="did not answer"):
-        fg.checked(fg.OpenAIEngine(f"{dead_url()}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
+        fg.probe_server(fg.OpenAIEngine(f"{dead_url()}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
 
 
 def test_openai_engine_batches_concurrently(standin):
@@ -1081,11 +1081,11 @@ def test_local_engine_is_the_frozen_base(tiny):
     """With use_adapter=False the engine must generate exactly what the bare base model generates."""
     model, tok = tiny
     prompts = ["What is 2+2?", "Name a planet."]
-    fixed = fg.LocalEngine(model, tok, use_adapter=False, max_tokens=12).generate(prompts)
+    frozen = fg.LocalEngine(model, tok, use_adapter=False, max_tokens=12).generate(prompts)
     policy = fg.LocalEngine(model, tok, use_adapter=True, max_tokens=12).generate(prompts)
     with model.disable_adapter():
         base = [s.text for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=12, temperature=0)]
-    assert fixed == base and len(policy) == 2
+    assert frozen == base and len(policy) == 2
     # and the switch is real: the adapter changes the model's log-probs, the engine's context undoes it
     s = fg.sample_actions(model, tok, rendered(tok, prompts[:1]), max_new_tokens=6, temperature=1.0)[0]
     on = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
@@ -1186,7 +1186,7 @@ def test_remote_malformed_reply_is_a_counted_failure(standin, reply):
 @pytest.mark.parametrize("refusal", [LLAMACPP_500, FASTAPI_422], ids=["llamacpp-500", "fastapi-422"])
 def test_remote_refused_json_schema_falls_back_to_json_object_once(standin, refusal, capsys):
     standin.default = refusing_json_schema(refusal)
-    eng = fg.checked(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry would take 5 s
+    eng = fg.probe_server(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry: 5 s
     assert "--fixed-base-url" in capsys.readouterr().err.splitlines()[-1] and eng.mode == "json_object"
     formats = [b["response_format"] for b in standin.seen]
     assert [f["type"] for f in formats] == ["json_schema", "json_object"]  # the refusal cost no retry
@@ -1204,7 +1204,7 @@ def test_remote_hung_server_is_bounded_at_start_and_per_phase(standin, capsys):
     standin.default = ("hang", 30)
     t0 = time.perf_counter()
     with pytest.raises(SystemExit, match="did not answer"):  # --ask against a hung server: one line, soon
-        fg.checked(fg.OpenAIEngine(standin.url, "m", timeout_s=0.5), "--fixed-base-url")
+        fg.probe_server(fg.OpenAIEngine(standin.url, "m", timeout_s=0.5), "--fixed-base-url")
     assert time.perf_counter() - t0 < 3
     eng = fg.OpenAIEngine(standin.url, "m", timeout_s=30, phase_timeout_s=0.5)  # the phase deadline comes first
     t0 = time.perf_counter()
@@ -1320,7 +1320,7 @@ def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monk
     tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], tiny_engine, max_tokens=7)
     plan = json.dumps({"sub_goal": "Compute 37 times 91.", "tool_name": "Generalist_Solution_Generator_Tool"})
     timings = {}
-    fg.solve_batch(["What is 37 times 91?", "What is 2 + 2?"], planner=lambda ps: [plan] * len(ps), fixed=tiny_engine,
+    fg.solve_batch(["What is 37 times 91?", "What is 2 + 2?"], planner=lambda ps: [plan] * len(ps), frozen=tiny_engine,
                    tools=tools, max_turns=1, timings=timings)
     for phase in ("fixed", "tools"):
         assert timings[f"gen_tokens_{phase}"] == sum(n for p, n, _ in seen if p == phase) > 0, (seen, timings)
@@ -1347,9 +1347,9 @@ def test_train_step_metrics_hold_each_phase_generated_tokens(tmp_path, sample_da
     """What metrics.jsonl gets per step: tokens generated and outputs cut at the limit, per phase; the planner's
     are its samples (the tiny model rarely stops: most hit max_new_tokens)."""
     cfg = smoke_cfg(tmp_path, sample_data, max_turns=1, batch_size=1)
-    model, tok, fixed, tools, judge = fg.build_system(cfg, "cpu", trainable=True)
+    model, tok, frozen, tools, judge = fg.build_system(cfg, "cpu", trainable=True)
     m, states, _ = fg.train_step(model, tok, *fg.make_optimizer(model, cfg)[:2],
-                                 prepare_data.load_questions(cfg.train_file)[:1], fixed, judge, tools, cfg, 1)
+                                 prepare_data.load_questions(cfg.train_file)[:1], frozen, judge, tools, cfg, 1)
     actions = [t.planner_output.action_ids for st in states for t in st.turns]
     stops = fg.stop_token_ids(model, tok)
     assert m["gen_tokens_planner"] == sum(map(len, actions)) > 0
@@ -1399,15 +1399,15 @@ def test_real_model_smollm2_every_frozen_role_output_is_valid():
     valid (the planner is the one role left unconstrained, so it is not what this test checks)."""
     t0 = time.perf_counter()
     model, tok = fg.load_policy(fg.Config(model="smollm2-135m", device="cpu"), "cpu", trainable=False)
-    fixed = fg.LocalEngine(model, tok, max_tokens=128)
-    fixed.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
-    tools = fg.make_tools(["Python_Coder_Tool"], fixed, timeout_s=10.0, max_tokens=48)
+    frozen = fg.LocalEngine(model, tok, max_tokens=128)
+    frozen.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
+    tools = fg.make_tools(["Python_Coder_Tool"], frozen, timeout_s=10.0, max_tokens=48)
     plan = json.dumps({"sub_goal": "Compute 37 times 91 exactly.", "tool_name": "Python_Coder_Tool"})
-    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps: [plan] * len(ps), fixed=fixed, tools=tools,
+    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps: [plan] * len(ps), frozen=frozen, tools=tools,
                         max_turns=1)[0]
     trajectory = fg.format_trajectory(st)
     # one turn allowed: the solver skips the verifier (its verdict would change nothing), so ask it here
-    verdict = fixed.ask(fg.verifier_prompt(st.question, st.analysis, st.memory), schema=fg.Verification)
+    verdict = frozen.ask(fg.verifier_prompt(st.question, st.analysis, st.memory), schema=fg.Verification)
     assert st.analysis != "(no analysis)" and st.turns[0].call is not None and verdict is not None, trajectory
     assert st.stats["parse_fail:analysis"] + st.stats["parse_fail:call"] == 0
     assert st.final_output.strip(), trajectory
@@ -1426,8 +1426,8 @@ class CountingRoleEngine(RoleEngine):
         return super()._complete(prompts, max_tokens, schema)
 
 
-def solve_identical(fixed, group=8, max_turns=1):
-    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), fixed=fixed,
+def solve_identical(frozen, group=8, max_turns=1):
+    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), frozen=frozen,
                           tools={"Echo_Tool": EchoTool()}, max_turns=max_turns)
 
 
@@ -2508,7 +2508,7 @@ def test_no_exec_or_eval_of_model_output():
 
 def test_solver_correct_path():
     tool = EchoTool()
-    st = fg.solve_batch(["What is 12 squared?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(),
+    st = fg.solve_batch(["What is 12 squared?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(),
                         tools={"Echo_Tool": tool}, max_turns=3)[0]
     assert len(st.turns) == 1 and st.turns[0].verdict.stop_signal  # the verifier stopped after one step
     assert tool.calls == ["print(12**2)"] and st.turns[0].result == {"echo": "print(12**2)"}
@@ -2520,9 +2520,9 @@ def test_solver_correct_path():
 def test_solver_turns_failures_into_memory(case):
     planner = {"unknown_tool": lambda ps: [plan_json("Nope_Tool")] * len(ps),
                "malformed_plan": lambda ps: ["{'justification': oops"] * len(ps)}.get(case, lambda ps: [plan_json()] * len(ps))
-    fixed = RoleEngine(executor_args={"wrong": 1} if case == "bad_arguments" else None, stop_after=2)
+    frozen = RoleEngine(executor_args={"wrong": 1} if case == "bad_arguments" else None, stop_after=2)
     tools = {"Echo_Tool": EchoTool(fail=case == "tool_error")}
-    st = fg.solve_batch(["q?"], planner=planner, fixed=fixed, tools=tools, max_turns=3)[0]
+    st = fg.solve_batch(["q?"], planner=planner, frozen=frozen, tools=tools, max_turns=3)[0]
     err = st.memory.steps[0]["result"]["error"]
     expect = {"unknown_tool": "unknown tool 'Nope_Tool'", "bad_arguments": "did not fit the tool's input schema",
               "tool_error": "tool exploded", "malformed_plan": "not valid JSON"}[case]
@@ -2532,7 +2532,7 @@ def test_solver_turns_failures_into_memory(case):
 
 
 def test_solver_counts_failures_per_kind():
-    class Fixed(RoleEngine):
+    class BadCalls(RoleEngine):
         def _complete(self, prompts, max_tokens, schema):
             out = super()._complete(prompts, max_tokens, schema)
             return ["not json" if "executor" in p and "bad?" in p else o for p, o in zip(prompts, out)]
@@ -2542,10 +2542,10 @@ def test_solver_counts_failures_per_kind():
             return {"stdout": "", "error": "boom"} if self.fail else {"stdout": "144", "error": None}
 
     clean, broken = fg.solve_batch(["ok?", "bad?"], planner=lambda ps: [plan_json()] * len(ps),
-                                   fixed=Fixed(stop_after=1), tools={"Echo_Tool": Coder()}, max_turns=1)
+                                   frozen=BadCalls(stop_after=1), tools={"Echo_Tool": Coder()}, max_turns=1)
     assert clean.stats["tool_error"] == 0 and clean.turns[0].call["tool_name"] == "Echo_Tool"
     assert broken.stats["parse_fail:call"] == 1 and "did not fit" in broken.memory.steps[0]["result"]["error"]
-    failing = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(),
+    failing = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(),
                              tools={"Echo_Tool": Coder(fail=True)}, max_turns=1)[0]
     assert failing.stats["tool_error"] == 1
 
@@ -2557,7 +2557,7 @@ def test_executor_cannot_name_another_tool_or_add_arguments():
                     for p, o in zip(prompts, super()._complete(prompts, max_tokens, schema))]
 
     tool = EchoTool()
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=Other(), tools={"Echo_Tool": tool},
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=Other(), tools={"Echo_Tool": tool},
                         max_turns=1)[0]
     assert "did not fit the tool's input schema" in st.memory.steps[0]["result"]["error"]  # the planner chose the tool
     assert tool.calls == []
@@ -2565,7 +2565,7 @@ def test_executor_cannot_name_another_tool_or_add_arguments():
 
 def test_no_verify_takes_every_turn_and_shows_no_verdict_but_an_unreadable_one_is_shown():
     tools = {"Echo_Tool": EchoTool()}
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(stop_after=1),
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(stop_after=1),
                         tools=tools, max_turns=3, verify=False)[0]
     assert len(st.turns) == 3 and "VERIFIER" not in fg.format_trajectory(st)  # the verifier would have stopped it
 
@@ -2573,7 +2573,7 @@ def test_no_verify_takes_every_turn_and_shows_no_verdict_but_an_unreadable_one_i
         def _complete(self, prompts, max_tokens, schema):
             return ["no json" if "verifier" in p else o for p, o in zip(prompts, super()._complete(prompts, max_tokens,
                                                                                                    schema))]
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=Junk(), tools=tools, max_turns=2)[0]
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=Junk(), tools=tools, max_turns=2)[0]
     assert fg.format_trajectory(st).count("VERIFIER: unparseable -> CONTINUE") == 1  # asked after turn 1 only
 
 
@@ -2584,7 +2584,7 @@ def test_solver_stops_at_max_turns_and_batches_in_lockstep():
         batches.append(len(prompts))
         return [plan_json()] * len(prompts)
 
-    states = fg.solve_batch(["a?", "b?", "c?"], planner=planner, fixed=RoleEngine(stop_after=99),
+    states = fg.solve_batch(["a?", "b?", "c?"], planner=planner, frozen=RoleEngine(stop_after=99),
                             tools={"Echo_Tool": EchoTool()}, max_turns=4)
     assert batches == [3, 3, 3, 3]  # one planner call per turn for all live trajectories
     assert all(len(st.turns) == 4 and "Step 4" in st.memory.to_text() for st in states)
@@ -2596,10 +2596,10 @@ def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
         def __call__(self, raw_args):
             time.sleep(30)
 
-    fixed = RoleEngine()
-    fixed.phase_timeout_s = 0.5
+    frozen = RoleEngine()
+    frozen.phase_timeout_s = 0.5
     t0 = time.perf_counter()
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=fixed, tools={"Echo_Tool": Stuck()},
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=frozen, tools={"Echo_Tool": Stuck()},
                         max_turns=1)[0]
     assert time.perf_counter() - t0 < 3 and "no result within 0.5 s" in st.turns[0].result["error"]
     assert st.turns[0].call["tool_name"] == "Echo_Tool" and st.stats["tool_error"] == 1  # a valid call, too slow
@@ -2622,7 +2622,7 @@ def counting_planner(prompt):
 
 def test_agent_counts_and_step_metrics():
     states = fg.solve_batch(["ok?", "bad?", "junk?", "nope?"], planner=lambda ps: [counting_planner(p) for p in ps],
-                            fixed=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
+                            frozen=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
     c = fg.agent_counts(states, {"Echo_Tool": None})
     assert (c["turns"], c["plans"], c["calls"], c["calls_valid"]) == (4, 3, 2, 1)
     assert (c["structured"], c["structured_valid"]) == (4 + 2 + 0, 6 - 1)  # analyses + calls (no verdict: 1 turn)
@@ -2632,9 +2632,9 @@ def test_agent_counts_and_step_metrics():
 
 
 def test_verifier_is_not_called_after_the_last_allowed_turn():
-    fixed = CountingRoleEngine(stop_after=99)
-    states = solve_identical(fixed, group=1, max_turns=2)
-    assert sum("verifier" in p for p in fixed.sent) == 1  # after turn 1 only: turn 2 ends the loop anyway
+    frozen = CountingRoleEngine(stop_after=99)
+    states = solve_identical(frozen, group=1, max_turns=2)
+    assert sum("verifier" in p for p in frozen.sent) == 1  # after turn 1 only: turn 2 ends the loop anyway
     assert states[0].turns[0].verdict is not None and states[0].turns[1].verdict is None
     assert len(states[0].turns) == 2 and states[0].final_output
 
@@ -3290,7 +3290,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
     turn1 = []
     fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps: turn1.extend(ps) or ["x"] * len(ps),
-                   fixed=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
+                   frozen=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
     assert [tok.decode(p) for p in prompts[:6]] == [fg.render_chat(tok, p) for p in turn1[:6]]
     # ... and every step pairs each question with every tool once: the demonstrations teach the format, not a choice.
     for step in range(6):
@@ -3310,7 +3310,7 @@ def test_no_analysis_skips_the_analyst_and_leaves_its_notes_out_of_the_prompts()
         tools = {"Echo": EchoTool()}
         fg.solve_batch(["What is 12 squared?"], planner=lambda ps: seen.extend(ps) or
                        ['{"sub_goal": "square 12", "tool_name": "Echo"}'] * len(ps),
-                       fixed=engine, tools=tools, max_turns=2, analysis=analysis)
+                       frozen=engine, tools=tools, max_turns=2, analysis=analysis)
         analysts = [p for p in engine.prompts if "analyst" in p]
         notes = [p for p in seen + engine.prompts if "Query analysis:" in p]
         assert (len(analysts), len(notes) > 0) == ((1, True) if analysis else (0, False))
@@ -3422,7 +3422,7 @@ def test_resume_refuses_a_training_file_rebuilt_with_other_rows(tmp_path, monkey
     monkeypatch.undo()
     monkeypatch.setattr(fg, "build_system", loads)
     ckpt = fake_checkpoint(tmp_path / "run", 2, cfg)
-    (ckpt / "config.json").write_text(json.dumps(fg.run_record(cfg, seen["data"])))
+    (ckpt / "config.json").write_text(json.dumps(fg.run_settings(cfg, seen["data"])))
     with pytest.raises(RuntimeError, match="would load"):
         fg.train(cfg)  # the same rows: resumed
     prepare_data.write_dataset(train[:10], tmp_path / "train.parquet")  # same path, other rows
@@ -3518,9 +3518,9 @@ def test_benchmark_modes_sample_one_policy_its_timed_update_leaves_the_weights(t
     """The lockstep mode's update is timed, not applied (lr 0): else the unshared and sequential modes would sample
     another planner than the one they are compared with."""
     cfg = smoke_cfg(tmp_path, sample_data, max_turns=1, tools="Generalist_Solution_Generator_Tool")
-    model, tokenizer, fixed, tools, _ = fg.build_system(cfg, "cpu", trainable=True)
+    model, tokenizer, frozen, tools, _ = fg.build_system(cfg, "cpu", trainable=True)
     before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    fg._time_rollouts(cfg, model, tokenizer, ["What is 2 + 2?"], 4, fixed, tools)
+    fg._time_rollouts(cfg, model, tokenizer, ["What is 2 + 2?"], 4, frozen, tools)
     assert "rollout speedup:" in capsys.readouterr().out
     assert all(torch.equal(before[k], v) for k, v in model.named_parameters() if v.requires_grad)
 
@@ -4061,7 +4061,7 @@ def test_dynamic_sampling_keeps_groups_with_variance_and_bounds_the_tries(monkey
     flat = {"q0", "q1", "q2", "q3", "q4", "q5", "q6"}  # these questions give equal rewards in their group
     calls = []
 
-    def fake(model, tok, batch, fixed, judge, tools, cfg, timings):
+    def fake(model, tok, batch, frozen, judge, tools, cfg, timings):
         calls.append([b["question"] for b in batch])
         states = [fg.AgentState(question=b["question"], memory=fg.Memory()) for b in batch for _ in range(2)]
         rewards = [0.0 if st.question in flat else float(i % 2) for i, st in enumerate(states)]
