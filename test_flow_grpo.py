@@ -3275,6 +3275,7 @@ def test_sft_loss_is_the_hand_computed_cross_entropy_of_action_tokens_only(tiny)
 
 
 def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch):
+    torch.manual_seed(0)  # the LoRA init: not whatever state the tests before this one left
     cfg = fg.Config(model="tiny", device="cpu", batch_size=3, group_size=2, micro_batch_size=4, sft_steps=6,
                     sft_lr=1e-2, max_turns=2, tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                     lora_targets=fg.Config.lora_targets + ",lm_head")  # a 64-wide random model needs its head
