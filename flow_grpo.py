@@ -25,16 +25,17 @@ Every turn is trained with ITS OWN prompt s_it, which already holds the memory a
 environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the base model:
 the same weights with the LoRA adapter switched off (peft's disable_adapter()), so there is no second copy.
 
-WHERE THE ALGORITHM IS. Sections 8, 10, 11 and update_policy in 12 are Flow-GRPO itself; the rest is plumbing.
-    8  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
-    8  action_logprobs    the same log-probs recomputed in one batched, differentiable forward pass
-    10 group_advantages   A_i from the rewards of each group of G trajectories
-    11 grpo_loss          clipped ratio (with verl's dual clip), k3 KL, three aggregations of the token losses
-    12 update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
-  Plumbing: 2 config, 3 LLM engines, 4 output schemas, 5 memory, 6 tools and the sandbox, 7 the agent loop,
-  9 the reward, 12 the training loop and checkpoints, 13 evaluation and the command line.
-  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary;
-  in sample_actions U distinct prompts, R rows still decoding, L columns so far.
+WHERE THE ALGORITHM IS. Sections 3 to 6, right after the config, are Flow-GRPO itself: torch and a model, no agent.
+    3  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
+    3  action_logprobs    the same log-probs recomputed in one batched, differentiable forward pass
+    4  group_advantages   A_i from the rewards of each group of G trajectories
+    5  grpo_loss          clipped ratio (with verl's dual clip), k3 KL, three aggregations of the token losses
+    6  update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
+  Then the agent that produces the trajectories: 7 LLM engines, 8 output schemas, 9 memory, 10 tools and the sandbox,
+  11 the agent loop; 12 the rollout (agent + sampler: one training row per planner turn), 13 the reward, 14 the
+  training loop and checkpoints, 15 evaluation and the command line.
+  Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary,
+  L columns (prompt and action tokens); in sample_actions U distinct prompts and R the rows still decoding.
 
 SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance:
 --sft-steps N first fits format-only plans with a random tool (cross-entropy); GRPO then learns WHICH tool from reward.
@@ -46,7 +47,7 @@ HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
     python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on the tools task ('smoke': tiny)
 
 DELIBERATE SIMPLIFICATIONS (and why)
-  * One process, one GPU: the fixed roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
+  * One process, one GPU: the frozen roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
     the policy's *frozen base* (adapter off), in-process; --fixed-base-url sends them to a bigger model's server.
   * Rollouts sample exactly softmax(logits / T) in our own loop, so the stored log-probs are the behaviour policy's
     (generate() applies the hub config's top-k/top-p/penalties). At scale: vLLM and --old-logprobs recompute.
@@ -88,89 +89,89 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # pe
 
 # ======== 2. Config ==================================================================================
 
-def arg(default: Any, help: str) -> Any:
+def option(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
     return field(default=default, metadata={"help": help})
 
 @dataclass
 class Config:
     # --- what to do (default: train) ---
-    ask: str = arg("", "run the agent once on this question and print the whole trajectory")
-    eval: bool = arg(False, "evaluate the planner greedily on --val-file and print accuracy")
-    benchmark: bool = arg(False, "time lockstep vs one-at-a-time rollouts, the sampling loop, remote concurrency")
-    learning_curve: bool = arg(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
-    preset: str = arg("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic (CPU, offline)")
-    plot: bool = arg(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
+    ask: str = option("", "run the agent once on this question and print the whole trajectory")
+    eval: bool = option(False, "evaluate the planner greedily on --val-file and print accuracy")
+    benchmark: bool = option(False, "time lockstep vs one-at-a-time rollouts, the sampling loop, remote concurrency")
+    learning_curve: bool = option(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
+    preset: str = option("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic (CPU, offline)")
+    plot: bool = option(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
     # --- models and engines ---
-    model: str = arg("Qwen/Qwen2.5-1.5B-Instruct", "policy base: HF id, folder, .gguf file, 'smollm2-135m' or 'tiny'")
-    adapter: str = arg("", "a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training")
-    fixed_base_url: str = arg("", "OpenAI-compatible URL for the fixed roles; empty = frozen base in-process")
-    fixed_model: str = arg("", "model name served at --fixed-base-url")
-    judge: str = arg("rule", "reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)")
-    judge_base_url: str = arg("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
-    judge_model: str = arg("", "model name of the LLM judge")
-    api_key_env: str = arg("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
-    embed_base_url: str = arg("", "OpenAI-compatible embeddings URL to rank RAG passages (empty = BM25, no key)")
-    embed_model: str = arg("", "embeddings model name at --embed-base-url")
-    request_timeout_s: float = arg(60.0, "timeout of one remote request (a timed-out request is not retried)")
-    device: str = arg("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
-    dtype: str = arg("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small early "
-                     "LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
-    load_in_4bit: bool = arg(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
-    gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
-    phase_timeout_s: float = arg(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
+    model: str = option("Qwen/Qwen2.5-1.5B-Instruct", "policy base: HF id, folder, .gguf file, 'smollm2-135m', 'tiny'")
+    adapter: str = option("", "a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training")
+    fixed_base_url: str = option("", "OpenAI-compatible URL for the fixed roles; empty = frozen base in-process")
+    fixed_model: str = option("", "model name served at --fixed-base-url")
+    judge: str = option("rule", "reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)")
+    judge_base_url: str = option("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
+    judge_model: str = option("", "model name of the LLM judge")
+    api_key_env: str = option("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
+    embed_base_url: str = option("", "OpenAI-compatible embeddings URL to rank RAG passages (empty = BM25, no key)")
+    embed_model: str = option("", "embeddings model name at --embed-base-url")
+    request_timeout_s: float = option(60.0, "timeout of one remote request (a timed-out request is not retried)")
+    device: str = option("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
+    dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small "
+                        "early LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
+    load_in_4bit: bool = option(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
+    gradient_checkpointing: bool = option(False, "trade compute for memory in the update")
+    phase_timeout_s: float = option(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
     # --- data ---
-    train_file: str = arg("data/train/combined_train.parquet", "training parquet from prepare_data.py")
-    val_file: str = arg("data/val/aime24.parquet", "validation parquet for --eval")
-    eval_limit: int = arg(0, "evaluate on the first N validation questions only (0 = all)")
-    eval_every: int = arg(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
-    wiki_corpus: str = arg("", "offline Wikipedia: a JSONL file of {title, text} pages searched with BM25 (no network)")
+    train_file: str = option("data/train/combined_train.parquet", "training parquet from prepare_data.py")
+    val_file: str = option("data/val/aime24.parquet", "validation parquet for --eval")
+    eval_limit: int = option(0, "evaluate on the first N validation questions only (0 = all)")
+    eval_every: int = option(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
+    wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
-    tools: str = arg("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
-                     "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
-    max_turns: int = arg(5, "planner turns per trajectory at most")
-    verify: bool = arg(True, "ask the frozen verifier after each turn whether to stop (--no-verify: always max_turns)")
-    analysis: bool = arg(True, "the frozen analyst studies the question first; its notes go into every planner prompt")
-    tool_tips: bool = arg(True, "tools describe their limitations and tips too (--no-tool-tips: a prompt half as long)")
-    max_new_tokens: int = arg(256, "longest planner action, in tokens")
-    fixed_max_tokens: int = arg(512, "longest output of a fixed role or a tool's LLM call")
-    memory_chars: int = arg(2000, "every string in a tool result is cut to this many characters in memory")
-    tool_timeout_s: float = arg(10.0, "wall-clock limit of one tool call (Python sandbox, web requests)")
-    tool_workers: int = arg(8, "tool calls running at once")
+    tools: str = option("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
+                        "Web_RAG_Search_Tool", "comma-separated tool names (the default: all of them)")
+    max_turns: int = option(5, "planner turns per trajectory at most")
+    verify: bool = option(True, "ask the frozen verifier after each turn whether to stop (--no-verify: all max_turns)")
+    analysis: bool = option(True, "the frozen analyst reads the question first; its notes go into every planner prompt")
+    tool_tips: bool = option(True, "tools describe their limitations and tips too (--no-tool-tips: shorter prompts)")
+    max_new_tokens: int = option(256, "longest planner action, in tokens")
+    fixed_max_tokens: int = option(512, "longest output of a fixed role or a tool's LLM call")
+    memory_chars: int = option(2000, "every string in a tool result is cut to this many characters in memory")
+    tool_timeout_s: float = option(10.0, "wall-clock limit of one tool call (Python sandbox, web requests)")
+    tool_workers: int = option(8, "tool calls running at once")
     # --- rollout and Flow-GRPO ---
-    batch_size: int = arg(4, "B: questions per training step")
-    group_size: int = arg(8, "G: trajectories sampled per question (the GRPO group)")
-    temperature: float = arg(0.7, "sampling temperature of the planner during rollouts")
-    adv_scale: str = arg("group", "advantage scaling: 'group' std, 'batch' std, or 'none'")
-    agg: str = arg("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
-    clip_low: float = arg(0.2, "ratio clipped below at 1 - clip_low")
-    clip_high: float = arg(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
-    kl_coef: float = arg(0.001, "beta: weight of the k3 KL to the base model")
-    old_logprobs: str = arg("recompute", "pi_old: 'recompute' (by the update's own code) or 'captured' (the sampler's)")
-    ppo_epochs: int = arg(1, "passes over each rollout batch")
-    num_minibatches: int = arg(1, "optimizer steps per pass (the batch is split by trajectory)")
-    micro_batch_size: int = arg(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
-    clip_ratio_c: float = arg(3.0, "dual clip (verl/AgentFlow): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
-    adv_unit: str = arg("trajectory", "advantages over a question's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
+    batch_size: int = option(4, "B: questions per training step")
+    group_size: int = option(8, "G: trajectories sampled per question (the GRPO group)")
+    temperature: float = option(0.7, "sampling temperature of the planner during rollouts")
+    adv_scale: str = option("group", "advantage scaling: 'group' std, 'batch' std, or 'none'")
+    agg: str = option("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
+    clip_low: float = option(0.2, "ratio clipped below at 1 - clip_low")
+    clip_high: float = option(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
+    kl_coef: float = option(0.001, "beta: weight of the k3 KL to the base model")
+    old_logprobs: str = option("recompute", "pi_old: 'recompute' (the update's own code) or 'captured' (the sampler's)")
+    ppo_epochs: int = option(1, "passes over each rollout batch")
+    num_minibatches: int = option(1, "optimizer steps per pass (the batch is split by trajectory)")
+    micro_batch_size: int = option(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
+    clip_ratio_c: float = option(3.0, "dual clip (verl's): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
+    adv_unit: str = option("trajectory", "advantages over a group's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
     # --- optimisation ---
-    lr: float = arg(1e-5, "AdamW learning rate of the LoRA weights")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    warmup_steps: int = arg(5, "linear warmup steps before the cosine decay")
-    max_steps: int = arg(200, "training steps (one rollout batch each)")
-    dynamic_sampling: int = arg(0, "DAPO: drop groups of equal rewards, roll out up to N more batches to fill B groups")
-    max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    lora_r: int = arg(16, "LoRA rank")
-    lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
-    lora_dropout: float = arg(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
-    lora_targets: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
-    sft_steps: int = arg(0, "SFT warm start: steps on format-only plans (tool drawn at random) before GRPO")
-    sft_lr: float = arg(1e-4, "learning rate of the SFT warm start (its own AdamW, constant)")
+    lr: float = option(1e-5, "AdamW learning rate of the LoRA weights")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    warmup_steps: int = option(5, "linear warmup steps before the cosine decay")
+    max_steps: int = option(200, "training steps (one rollout batch each)")
+    dynamic_sampling: int = option(0, "DAPO: drop equal-reward groups, roll out up to N more batches to fill B groups")
+    max_grad_norm: float = option(1.0, "gradient-norm clip")
+    lora_r: int = option(16, "LoRA rank")
+    lora_alpha: int = option(32, "LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = option(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
+    lora_targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
+    sft_steps: int = option(0, "SFT warm start: steps on format-only plans (tool drawn at random) before GRPO")
+    sft_lr: float = option(1e-4, "learning rate of the SFT warm start (its own AdamW, constant)")
     # --- bookkeeping ---
-    seed: int = arg(42, "seed of data order, sampling and initialisation")
-    output_dir: str = arg("runs/flow_grpo", "metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here")
-    save_every: int = arg(25, "save a checkpoint every N steps (and at the end, and on Ctrl-C)")
-    log_rollouts: int = arg(2, "full trajectories written to rollouts.jsonl per step")
-    resume: bool = arg(False, "continue from the newest checkpoint in --output-dir")
+    seed: int = option(42, "seed of data order, sampling and initialisation")
+    output_dir: str = option("runs/flow_grpo", "metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here")
+    save_every: int = option(25, "save a checkpoint every N steps (and at the end, and on Ctrl-C)")
+    log_rollouts: int = option(2, "full trajectories written to rollouts.jsonl per step")
+    resume: bool = option(False, "continue from the newest checkpoint in --output-dir")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
@@ -184,13 +185,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                verify=False, analysis=False, tool_tips=False, batch_size=3, group_size=4, max_turns=2, max_new_tokens=48, fixed_max_tokens=96,
-                micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=1e-4, warmup_steps=2, max_steps=30,
-                save_every=10, sft_steps=8, sft_lr=1e-3, tool_timeout_s=5.0, eval_every=10, eval_limit=30,
-                output_dir="runs/cpu"),
+                verify=False, analysis=False, tool_tips=False, batch_size=3, group_size=4, max_turns=2,
+                max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=1e-4,
+                warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3, tool_timeout_s=5.0,
+                eval_every=10, eval_limit=30, output_dir="runs/cpu"),
 }
 
-AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 11)
+AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
 CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "turn"),
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
            "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
@@ -247,7 +248,328 @@ def log(msg: str) -> None:
     """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
     print(terminal_safe(msg), file=sys.stderr, flush=True)
 
-# ======== 3. LLM engines: one interface that returns text, or a validated pydantic object ============
+# ======== 3. Sampling with log-prob capture ==========================================================
+# Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
+# logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
+# penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
+
+USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
+
+def usage(**add: float) -> Counter:
+    """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
+    seconds in forward passes (forward_s); returns a copy (usage() reads it). timed() splits it by rollout phase."""
+    with _USAGE_LOCK:
+        USAGE.update(add)
+        return USAGE.copy()
+
+@dataclass
+class Sample:
+    """One sampled action; its tensors are 1-D and unpadded."""
+    prompt_ids: torch.Tensor  # [P] the rendered prompt
+    action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
+    logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
+    text: str  # the action decoded, special tokens dropped
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
+    return sorted(i for i in ids if i is not None)
+
+@torch.no_grad()
+def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
+                   share_prefill: bool = True) -> list[Sample]:
+    """One action per prompt (rendered chat strings), with the behaviour log-prob of each of its tokens. The idea, at
+    every step, for the R rows still decoding (T = 0: argmax instead of multinomial, log-probs at T = 1):
+        logp_RV = log_softmax(logits_RV / T)         the exact distribution we sample from; the update recomputes it
+        tok_R = multinomial(exp(logp_RV))
+        logp_BA[rows_R, step] = logp_RV[tok_R]       kept: the behaviour log-prob of each row's new token
+    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded so that each row's next token is written in
+    the same column:
+        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
+                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
+    Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
+    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
+    KV cache copied to its rows. A row that ends leaves the batch and the cache."""
+    device = next(model.parameters()).device
+    distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
+    enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    ids_UP, mask_UP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
+    B, P = len(prompts), ids_UP.shape[1]
+    stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
+    cache = out.cache
+    cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
+    logits_RV, mask_RL, next_pos_R = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1
+    rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
+    tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
+    length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
+    for step in range(max_new_tokens):
+        logp_RV = torch.log_softmax(logits_RV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+        tok_R = torch.multinomial(logp_RV.exp(), 1).squeeze(1) if temperature > 0 else logp_RV.argmax(-1)
+        tok_BA[rows_R, step], logp_BA[rows_R, step] = tok_R, logp_RV.gather(1, tok_R[:, None]).squeeze(1)
+        length_B[rows_R] += 1
+        going_R = ~torch.isin(tok_R, stops)
+        if not going_R.any() or step == max_new_tokens - 1:
+            break
+        if not going_R.all():  # one copy of the cache now saves computing a dead row at every later step
+            keep = going_R.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
+        mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
+        logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
+                          cache=cache, use_cache=True).logits[:, -1]
+        next_pos_R = next_pos_R + 1
+    usage(gen_tokens=int(length_B.sum()), hit_limit=int(going_R.sum()))  # rows still going hit the limit
+    tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
+    prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
+    actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
+    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=a, logprobs=logp_BA[b, :len(a)],
+                   text=tokenizer.decode(a, skip_special_tokens=True))
+            for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
+
+def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
+                    temperature: float) -> list[torch.Tensor]:
+    """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
+    Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
+        [[pad, p0, p1 | a0, a1, pad],
+         [q0,  q1, q2 | b0, b1, b2 ]]
+    The token in column P+j is predicted by the logits of column P+j-1: we need the logits of the last A+1 columns
+    but the very last. `logits_to_keep` applies the LM head to those only (full-sequence logits of a long prompt over
+    a big vocabulary would not fit). The pad id is irrelevant: the mask comes from lengths; padded logits go unread."""
+    device = next(model.parameters()).device
+    B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
+    ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
+    for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
+        ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
+        ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
+    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+    pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1,
+                       use_cache=False).logits[:, :-1]  # no KV cache: nothing is generated after this pass
+    logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+    logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
+    return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
+
+# ======== 4. Group advantages ========================================================================
+
+def group_members(group_ids) -> list[list[int]]:
+    """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
+    members: dict[Any, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
+        members.setdefault(g, []).append(i)
+    return list(members.values())
+
+def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
+    rewards ('batch': TRL; less noisy for small G) or 1 ('none': Dr. GRPO). A group of equal rewards, or a lone sample,
+    carries no signal: exactly 0, not 0/eps noise (verl gives a lone sample its reward)."""
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
+    r_B = torch.as_tensor(rewards, dtype=torch.float32)
+    adv_B = torch.zeros_like(r_B)
+    for idx in group_members(group_ids):
+        std = r_B[idx].std() if len(idx) > 1 else torch.tensor(0.0)
+        if std > eps:  # zero-variance groups keep their zeros
+            scale_by = {"group": std + eps, "batch": r_B.std() + eps, "none": 1.0}[scale]
+            adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
+    return adv_B
+
+def zero_std_frac(rewards, group_ids) -> float:
+    """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
+    r, groups = [float(x) for x in rewards], group_members(group_ids)
+    return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
+
+# ======== 5. The clipped-ratio loss with k3 KL =======================================================
+# Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
+# a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
+# losses add up to the minibatch loss, whatever the micro-batch size.
+
+def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
+    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
+    'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
+    'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
+    'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
+    traj_ids: each row's trajectory (any hashable ids); without them 'turn' equals 'seq-mean-token-mean'."""
+    mask_BA = mask_BA.float()
+    per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
+    if agg == "token-mean":
+        return mask_BA / mask_BA.sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        return per_row_BA / mask_BA.shape[0]
+    if agg == "turn":
+        trajs = group_members(range(mask_BA.shape[0]) if traj_ids is None else traj_ids)
+        turns_B = torch.empty(mask_BA.shape[0], device=mask_BA.device)
+        for idx in trajs:
+            turns_B[idx] = len(idx)  # T_i for the trajectory of each row
+        return per_row_BA / (turns_B[:, None] * len(trajs))
+    raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
+
+def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
+              mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
+              clip_ratio_c: Optional[float] = 3.0, kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
+              weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """The Flow-GRPO loss (to MINIMISE) and its statistics. One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA
+    under pi_theta, pi_old, pi_ref; adv_B its A_i. weights: precomputed aggregation_weights for these rows
+    (micro-batches of a bigger minibatch); by default computed from `agg` and traj_ids over this batch alone.
+    Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
+    region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
+    smaller one and the gradient flows - so the clip never shields a move that makes things worse.
+    clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
+    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update."""
+    mask_BA = mask_BA.bool()
+    w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
+    # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
+    # The clamps (as verl's) keep exp() finite, so a stale pi_old or a far-off pi_ref cannot give inf or NaN.
+    ratio_BA = torch.exp(torch.where(mask_BA, logp_BA - old_logp_BA, 0.0).clamp(-20, 20))
+    adv_B1 = adv_B.to(logp_BA.device, logp_BA.dtype)[:, None]
+    surr_BA = ratio_BA * adv_B1
+    surr_clipped_BA = ratio_BA.clamp(1 - clip_low, 1 + clip_high) * adv_B1
+    pg_loss_BA = -torch.minimum(surr_BA, surr_clipped_BA)
+    if clip_ratio_c:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
+        pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
+    delta_BA = torch.where(mask_BA, ref_logp_BA - logp_BA, 0.0).clamp(-20, 20)
+    kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
+    loss = ((pg_loss_BA + kl_coef * kl_BA) * w_BA).sum()
+    with torch.no_grad():
+        n = mask_BA.sum().clamp(min=1).item()
+        stats = {"clip_frac": ((surr_clipped_BA < surr_BA) & mask_BA).sum().item() / n,
+                 "dual_clip_frac": ((adv_B1 < 0) & (ratio_BA > (clip_ratio_c or math.inf)) & mask_BA).sum().item() / n,
+                 "kl": (kl_BA * mask_BA).sum().item() / n, "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
+                 "tokens": int(mask_BA.sum().item())}
+    return loss, stats
+
+# ======== 6. The update: minibatches, exact gradient accumulation, clip, optimizer step ==============
+
+def adapter_disabled(model):
+    """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
+    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+
+@dataclass
+class Row:
+    """One planner turn, ready for the update: trained with its OWN prompt (the state s_t at that turn)."""
+    prompt_ids: torch.Tensor  # [P]
+    action_ids: torch.Tensor  # [A]
+    logprobs: torch.Tensor  # [A] behaviour log-probs, captured while sampling (Sample.logprobs)
+    advantage: float  # the trajectory's A_i, broadcast to each of its turns
+    traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
+    old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
+    ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
+
+def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
+    out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+    len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
+    return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
+
+@torch.no_grad()
+def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
+                  base: bool = False) -> None:
+    """No-grad log-probs of every row's actions, stored in row.<attr>: pi_old (adapter on) or pi_ref (base=True)."""
+    with adapter_disabled(model) if base else contextlib.nullcontext():
+        for i in range(0, len(rows), micro_batch_size):
+            chunk = rows[i:i + micro_batch_size]
+            logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
+                                    temperature=temperature)
+            for r, logp_A in zip(chunk, logps):
+                setattr(r, attr, logp_A.cpu())
+
+def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
+    """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
+    Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
+    all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
+    total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
+    for i in range(0, len(rows), cfg.micro_batch_size):
+        chunk = rows[i:i + cfg.micro_batch_size]
+        logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
+                                                     [r.action_ids for r in chunk], temperature=cfg.temperature))
+        dev = logp_BA.device
+        # None: this forward IS pi_old (one pass) / there is no KL term - detached copies give ratio 1, KL 0
+        old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
+        ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
+        adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
+        w_BA = all_weights_BA[i:i + len(chunk), :mask_BA.shape[1]].to(dev)
+        loss, st = grpo_loss(logp_BA, old_BA, ref_BA, adv_B, mask_BA, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                             clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BA)
+        if not torch.isfinite(loss):
+            return None, {}
+        loss.backward()
+        total += loss.item()
+        sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
+    return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
+
+def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
+    """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
+    state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
+    trajs = sorted({r.traj_id for r in rows})
+    random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)
+    n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
+    chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
+    return [[r for r in rows if r.traj_id in c] for c in chosen]
+
+def has_signal(rows: list[Row], cfg: Config) -> bool:
+    """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
+    yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
+    return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
+
+def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
+    """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
+    sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
+    the update's forward IS pi_old (old_logp stays None). pi_ref (adapter off): only for a KL term. Both come from the
+    first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1, KL > 0 at once)."""
+    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
+    if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
+        return
+    if cfg.old_logprobs == "captured":
+        for r in rows:
+            r.old_logp = r.logprobs
+    for mb in minibatches(rows, cfg, step, epoch=0):
+        if cfg.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.num_minibatches > 1):
+            fill_logprobs(model, mb, attr="old_logp", **kw)
+        if cfg.kl_coef > 0:
+            fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
+
+def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
+    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
+    signal costs nothing; one whose loss or gradient norm is not finite is skipped: no NaN reaches the adapter."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums, skipped, no_signal = Counter(), 0, 0
+    model.train()
+    for epoch in range(cfg.ppo_epochs):
+        for mb in minibatches(rows, cfg, step, epoch):
+            if not has_signal(mb, cfg):
+                no_signal += 1
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            loss, st = minibatch_loss_and_backward(model, mb, cfg)
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
+            if norm is None or not torch.isfinite(norm):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            optimizer.step()
+            sums.update(st, loss=loss, grad_norm=norm.item(), updates=1)
+    done = max(1, sums["updates"])
+    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean", "grad_norm")}, "skipped_updates": skipped,
+            "no_signal_minibatches": no_signal, "updates": sums["updates"],
+            "loss": sums["loss"] / done if sums["updates"] else float("nan")}
+
+def make_optimizer(model, cfg: Config):
+    """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_lambda(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)  # 1.0 at the last step
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+# ======== 7. LLM engines: one interface that returns text, or a validated pydantic object ============
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
@@ -281,15 +603,6 @@ def schema_instruction(schema: type[BaseModel]) -> str:
     lines = [f'- "{k}" ({v.get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
              f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
-
-USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
-
-def usage(**add: float) -> Counter:
-    """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
-    seconds in forward passes (forward_s); returns a copy (usage() reads it). timed() splits it by rollout phase."""
-    with _USAGE_LOCK:
-        USAGE.update(add)
-        return USAGE.copy()
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -415,10 +728,6 @@ def render_chat(tokenizer, prompt: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
 
-def adapter_disabled(model):
-    """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
-    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-
 # One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
 # model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
 # late, would switch the adapter off under the planner's sampling or the update (base log-probs, no LoRA gradient).
@@ -517,7 +826,7 @@ class SchemaMask:
         return scores_BV
 
 class LocalEngine(Engine):
-    """Greedy generation on the policy's weights: use_adapter=False (the fixed roles) switches LoRA off, so this IS
+    """Greedy generation on the policy's weights: use_adapter=False (the frozen roles) switches LoRA off, so this IS
     the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
     JSON unfinished at the token limit gives "". Calls queue; whoever gets the lock serves them all in one batch."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
@@ -588,7 +897,7 @@ class LocalEngine(Engine):
                          for r, t in enumerate(texts)]
         return outs
 
-# ======== 4. Structured outputs: what each role must answer ==========================================
+# ======== 8. Structured outputs: what each role must answer ==========================================
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
 
 class QueryAnalysis(BaseModel):
@@ -620,7 +929,7 @@ class JudgeVerdict(BaseModel):
     analysis: str = Field(description="compare the two answers briefly")
     correct: bool = Field(description="true if the answer is equivalent to the ground truth")
 
-# ======== 5. Memory ==================================================================================
+# ======== 9. Memory ==================================================================================
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
     """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
@@ -662,7 +971,7 @@ class Memory:
             texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
         return " ".join(texts)[-max_chars:]
 
-# ======== 6. Tools ===================================================================================
+# ======== 10. Tools ==================================================================================
 # A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
 # learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
@@ -1225,14 +1534,14 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     rag = {"embed_client": embed_client, "embed_model": embed_model}
-    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **({} if tips else
-                                {"limitations": "", "tips": ""}), **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {}))
-             for n in names}
+    brief = {} if tips else {"limitations": "", "tips": ""}
+    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **brief,
+                                **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
     if WikipediaTool.name in tools:
         tools[WikipediaTool.name].corpus = wiki_corpus
     return tools
 
-# ======== 7. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
+# ======== 11. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
 # solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
 # rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
 
@@ -1270,9 +1579,9 @@ def answer_prompt(question: str, memory: Memory) -> str:
     return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
             f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
 
-def analyse(questions: list[str], fixed: Engine, tools: dict) -> list[str]:
+def analyse(questions: list[str], frozen: Engine, tools: dict) -> list[str]:
     """The frozen analyst's notes per question, as the JSON text the planner reads ("(no analysis)" if unparsed)."""
-    analyses = fixed.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
+    analyses = frozen.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
     return [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]
 
 @dataclass
@@ -1306,7 +1615,7 @@ def timed(timings: Optional[dict], key: str):
         for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
             timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
 
-def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict, timings: Optional[dict]) -> list:
+def write_calls(live: list[AgentState], plans: list, frozen: Engine, tools: dict, timings: Optional[dict]) -> list:
     """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
     Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them."""
     calls: list[Optional[dict]] = [None] * len(live)
@@ -1314,7 +1623,7 @@ def write_calls(live: list[AgentState], plans: list, fixed: Engine, tools: dict,
     for name in sorted({plans[i].tool_name for i in todo}):
         rows = [i for i in todo if plans[i].tool_name == name]
         with timed(timings, "fixed"):
-            made = fixed.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+            made = frozen.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
                                   schema=tools[name].input_model)
         for i, c in zip(rows, made):
             calls[i] = c and c.model_dump()
@@ -1335,14 +1644,14 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
-def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], fixed: Engine, tools: dict,
+def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], frozen: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 analysis: bool = True, timings: Optional[dict] = None) -> list[AgentState]:
     """Run the agent on every question, all trajectories in lockstep; verify=False: always max_turns turns;
     analysis=False: no query analysis (its notes are left out of the prompts)."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
-        for st, text in zip(states, analyse(questions, fixed, tools) if analysis else []):
+        for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
             st.analysis = text
             st.stats["parse_fail:analysis"] += text == "(no analysis)"
     slots = threading.Semaphore(max(1, tool_workers))
@@ -1357,13 +1666,13 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         texts = [getattr(o, "text", o) for o in outputs]
         plans = [parse_structured(t, NextStep) for t in texts]
         # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
-        calls = write_calls(live, plans, fixed, tools, timings)
+        calls = write_calls(live, plans, frozen, tools, timings)
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
         with timed(timings, "tools"):
             ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
-                                 slots, fixed.phase_timeout_s, "tool calls")
+                                 slots, frozen.phase_timeout_s, "tool calls")
         ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
-                     {"error": f"no result within {fixed.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
+                     {"error": f"no result within {frozen.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
         # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
         for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
             st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
@@ -1375,7 +1684,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         if turn == max_turns or not verify:  # (after the last turn a verdict would change nothing)
             continue
         with timed(timings, "fixed"):
-            verdicts = fixed.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
+            verdicts = frozen.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
                                       schema=Verification)
         for st, v in zip(live, verdicts):
             st.turns[-1].verdict = v
@@ -1383,7 +1692,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
             st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
     with timed(timings, "fixed"):
-        finals = fixed.generate([answer_prompt(st.question, st.memory) for st in states])
+        finals = frozen.generate([answer_prompt(st.question, st.memory) for st in states])
     for st, text in zip(states, map(str.strip, finals)):
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
     return states
@@ -1400,99 +1709,9 @@ def format_trajectory(st: AgentState) -> str:
         lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) and st.stats["parse_fail:verdict"] else []
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
-# ======== 8. Rollout with log-prob capture ===========================================================
-# Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
-# logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
-# penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
+# ======== 12. Rollout: the agent's B x G trajectories, the policy sampling every plan ================
 
-@dataclass
-class Sample:
-    """One sampled action; its tensors are 1-D and unpadded."""
-    prompt_ids: torch.Tensor  # [P] the rendered prompt
-    action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
-    logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
-    text: str  # the action decoded, special tokens dropped
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
-    return sorted(i for i in ids if i is not None)
-
-@torch.no_grad()
-def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
-                   share_prefill: bool = True) -> list[Sample]:
-    """Batched sampling with a KV cache, recording behaviour log-probs; `prompts` are rendered chat strings. The idea,
-    per step: logp = log_softmax(logits / T); token = multinomial(exp(logp)); keep logp[token] (T = 0: argmax, T = 1).
-    Prompts are LEFT-padded so that every row's next token is written in the same column:
-        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
-                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
-    Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
-    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
-    KV cache copied to its rows. R: the rows still decoding (an ended row leaves batch and cache); L: columns so far."""
-    device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
-    enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids_UP, mask_UP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
-    B, P = len(prompts), ids_UP.shape[1]
-    stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
-    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-    cache = out.cache
-    cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
-    logits_RV, mask_RL, next_pos_R = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1
-    rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
-    tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
-    length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
-    for step in range(max_new_tokens):
-        logp_RV = torch.log_softmax(logits_RV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-        tok_R = torch.multinomial(logp_RV.exp(), 1).squeeze(1) if temperature > 0 else logp_RV.argmax(-1)
-        tok_BA[rows_R, step], logp_BA[rows_R, step] = tok_R, logp_RV.gather(1, tok_R[:, None]).squeeze(1)
-        length_B[rows_R] += 1
-        going_R = ~torch.isin(tok_R, stops)
-        if not going_R.any() or step == max_new_tokens - 1:
-            break
-        if not going_R.all():  # one copy of the cache now saves computing a dead row at every later step
-            keep = going_R.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
-        mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
-        logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
-                          cache=cache, use_cache=True).logits[:, -1]
-        next_pos_R = next_pos_R + 1
-    usage(gen_tokens=int(length_B.sum()), hit_limit=int(going_R.sum()))  # rows still going hit the limit
-    tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
-    prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
-    actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
-    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=a, logprobs=logp_BA[b, :len(a)],
-                   text=tokenizer.decode(a, skip_special_tokens=True))
-            for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
-
-def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
-                    temperature: float) -> list[torch.Tensor]:
-    """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
-    Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
-        [[pad, p0, p1 | a0, a1, pad],
-         [q0,  q1, q2 | b0, b1, b2 ]]
-    The token in column P+j is predicted by the logits of column P+j-1: we need the logits of the last A+1 columns
-    but the very last. `logits_to_keep` applies the LM head to those only (full-sequence logits of a long prompt over
-    a big vocabulary would not fit). The pad id is irrelevant: the mask comes from lengths; padded logits go unread."""
-    device = next(model.parameters()).device
-    B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
-    ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
-    for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
-        ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
-        ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
-    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
-    pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
-    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1,
-                       use_cache=False).logits[:, :-1]  # no KV cache: nothing is generated after this pass
-    logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-    logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
-    return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
-
-def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, tools: dict, *, group_size: int,
+def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine, tools: dict, *, group_size: int,
             timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
@@ -1502,10 +1721,22 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, fixed: Engine, 
                                   temperature=cfg.temperature, share_prefill=share_prefill)
 
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
-    return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, fixed=fixed,
+    return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
                        tools=tools, **agent_options(cfg), timings=timings)
 
-# ======== 9. Judge reward ============================================================================
+def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
+               unit: str = "trajectory") -> list[Row]:
+    """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
+    unit='turn' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
+    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
+    if unit == "turn":
+        adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
+    else:
+        adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
+    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
+            for (i, s), a in zip(turns, adv_B.tolist())]
+
+# ======== 13. Judge reward ===========================================================================
 # The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, math-verify
 # (10^{3} = 1000, sets in any order), then a claim in a short sentence ('The largest planet is Jupiter.'). What needs
 # the question or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL characters are
@@ -1769,95 +2000,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
                                schema=JudgeVerdict)
     return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
-# ======== 10. Group advantages =======================================================================
-
-def group_members(group_ids) -> list[list[int]]:
-    """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
-    members: dict[Any, list[int]] = {}
-    for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
-        members.setdefault(g, []).append(i)
-    return list(members.values())
-
-def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
-    """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
-    rewards ('batch': TRL; less noisy for small G) or 1 ('none': Dr. GRPO). A group of equal rewards, or a lone sample,
-    carries no signal: exactly 0, not 0/eps noise (verl gives a lone sample its reward)."""
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
-    r_B = torch.as_tensor(rewards, dtype=torch.float32)
-    adv_B = torch.zeros_like(r_B)
-    for idx in group_members(group_ids):
-        std = r_B[idx].std() if len(idx) > 1 else torch.tensor(0.0)
-        if std > eps:  # zero-variance groups keep their zeros
-            scale_by = {"group": std + eps, "batch": r_B.std() + eps, "none": 1.0}[scale]
-            adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
-    return adv_B
-
-def zero_std_frac(rewards, group_ids) -> float:
-    """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
-    r, groups = [float(x) for x in rewards], group_members(group_ids)
-    return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
-
-# ======== 11. The clipped-ratio loss with k3 KL ======================================================
-# Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
-# a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
-# losses add up to the minibatch loss, whatever the micro-batch size.
-
-def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
-    """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
-    'turn' (the paper): 1/N_traj * 1/T_i * 1/|a_it|  - each trajectory counts once, each of its turns equally;
-    'token-mean' (AgentFlow's verl code): 1/total tokens - long actions and long trajectories weigh more;
-    'seq-mean-token-mean': 1/N_rows * 1/|a_it|      - each turn-row counts once.
-    traj_ids: each row's trajectory (any hashable ids); without them 'turn' equals 'seq-mean-token-mean'."""
-    mask_BA = mask_BA.float()
-    per_row_BA = mask_BA / mask_BA.sum(1, keepdim=True).clamp(min=1)  # each row's tokens average to that row
-    if agg == "token-mean":
-        return mask_BA / mask_BA.sum().clamp(min=1)
-    if agg == "seq-mean-token-mean":
-        return per_row_BA / mask_BA.shape[0]
-    if agg == "turn":
-        trajs = group_members(range(mask_BA.shape[0]) if traj_ids is None else traj_ids)
-        turns_B = torch.empty(mask_BA.shape[0], device=mask_BA.device)
-        for idx in trajs:
-            turns_B[idx] = len(idx)  # T_i for the trajectory of each row
-        return per_row_BA / (turns_B[:, None] * len(trajs))
-    raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
-
-def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
-              mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
-              clip_ratio_c: Optional[float] = 3.0, kl_coef: float = 0.001, agg: str = "turn", traj_ids=None,
-              weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """The Flow-GRPO loss (to MINIMISE) and its statistics. One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA
-    under pi_theta, pi_old, pi_ref; adv_B its A_i. weights: precomputed aggregation_weights for these rows
-    (micro-batches of a bigger minibatch); by default computed from `agg` and traj_ids over this batch alone.
-    Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
-    region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
-    smaller one and the gradient flows - so the clip never shields a move that makes things worse.
-    clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
-    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update."""
-    mask_BA = mask_BA.bool()
-    w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
-    # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
-    # The clamps (as verl's) keep exp() finite, so a stale pi_old or a far-off pi_ref cannot give inf or NaN.
-    ratio_BA = torch.exp(torch.where(mask_BA, logp_BA - old_logp_BA, 0.0).clamp(-20, 20))
-    adv_B1 = adv_B.to(logp_BA.device, logp_BA.dtype)[:, None]
-    surr_BA = ratio_BA * adv_B1
-    surr_clipped_BA = ratio_BA.clamp(1 - clip_low, 1 + clip_high) * adv_B1
-    pg_loss_BA = -torch.minimum(surr_BA, surr_clipped_BA)
-    if clip_ratio_c:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
-        pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
-    delta_BA = torch.where(mask_BA, ref_logp_BA - logp_BA, 0.0).clamp(-20, 20)
-    kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
-    loss = ((pg_loss_BA + kl_coef * kl_BA) * w_BA).sum()
-    with torch.no_grad():
-        n = mask_BA.sum().clamp(min=1).item()
-        stats = {"clip_frac": ((surr_clipped_BA < surr_BA) & mask_BA).sum().item() / n,
-                 "dual_clip_frac": ((adv_B1 < 0) & (ratio_BA > (clip_ratio_c or math.inf)) & mask_BA).sum().item() / n,
-                 "kl": (kl_BA * mask_BA).sum().item() / n, "ratio_mean": (ratio_BA * mask_BA).sum().item() / n,
-                 "tokens": int(mask_BA.sum().item())}
-    return loss, stats
-
-# ======== 12. Training ===============================================================================
+# ======== 14. Training ===============================================================================
 
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1945,7 +2088,7 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model.enable_input_require_grads()
     return model, tokenizer
 
-def checked(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
+def probe_server(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     """One tiny structured request before anything else: a wrong URL or model name is one clear line at start-up,
     not a whole run of empty answers and zero rewards; and the server's structured-output mode is settled."""
     engine.ask("Reply with OK.", schema=Verification, max_tokens=16)
@@ -1962,13 +2105,13 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
 
     def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
-        return checked(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
+        return probe_server(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
                                     phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
 
-    fixed = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
+    frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
         if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
-    fixed.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
-    judge = None if cfg.judge == "rule" else fixed
+    frozen.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
+    judge = None if cfg.judge == "rule" else frozen
     if judge and cfg.judge_base_url:
         judge = remote("--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256)
     options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s, "tips": cfg.tool_tips}
@@ -1977,7 +2120,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
-    return model, tokenizer, fixed, make_tools(tool_names(cfg), fixed, wiki_corpus=corpus, **options), judge
+    return model, tokenizer, frozen, make_tools(tool_names(cfg), frozen, wiki_corpus=corpus, **options), judge
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
@@ -2001,141 +2144,7 @@ def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
         random.Random(seed + e).shuffle(rows)
     return [epochs[k // n][k % n] for k in range(first, first + size)]
 
-@dataclass
-class Row:
-    """One planner turn, ready for the update: trained with its OWN prompt (the state s_t at that turn)."""
-    prompt_ids: torch.Tensor  # [P]
-    action_ids: torch.Tensor  # [A]
-    logprobs: torch.Tensor  # [A] behaviour log-probs, captured while sampling (Sample.logprobs)
-    advantage: float  # the trajectory's A_i, broadcast to each of its turns
-    traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
-    old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
-    ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
-
-def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
-               unit: str = "trajectory") -> list[Row]:
-    """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
-    unit='turn' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
-    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
-    if unit == "turn":
-        adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
-    else:
-        adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
-    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
-            for (i, s), a in zip(turns, adv_B.tolist())]
-
-def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
-    out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-    len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
-    return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
-
-@torch.no_grad()
-def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
-                  base: bool = False) -> None:
-    """No-grad log-probs of every row's actions, stored in row.<attr>: pi_old (adapter on) or pi_ref (base=True)."""
-    with adapter_disabled(model) if base else contextlib.nullcontext():
-        for i in range(0, len(rows), micro_batch_size):
-            chunk = rows[i:i + micro_batch_size]
-            logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
-                                    temperature=temperature)
-            for r, logp_A in zip(chunk, logps):
-                setattr(r, attr, logp_A.cpu())
-
-def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
-    """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
-    Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
-    all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
-    total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
-    for i in range(0, len(rows), cfg.micro_batch_size):
-        chunk = rows[i:i + cfg.micro_batch_size]
-        logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
-                                                     [r.action_ids for r in chunk], temperature=cfg.temperature))
-        dev = logp_BA.device
-        # None: this forward IS pi_old (one pass) / there is no KL term - detached copies give ratio 1, KL 0
-        old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
-        ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
-        adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
-        w_BA = all_weights_BA[i:i + len(chunk), :mask_BA.shape[1]].to(dev)
-        loss, st = grpo_loss(logp_BA, old_BA, ref_BA, adv_B, mask_BA, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                             clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BA)
-        if not torch.isfinite(loss):
-            return None, {}
-        loss.backward()
-        total += loss.item()
-        sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
-    return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
-
-def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
-    """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
-    state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
-    trajs = sorted({r.traj_id for r in rows})
-    random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)
-    n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
-    chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
-    return [[r for r in rows if r.traj_id in c] for c in chosen]
-
-def has_signal(rows: list[Row], cfg: Config) -> bool:
-    """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
-    yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
-    return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
-
-def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
-    """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
-    sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
-    the update's forward IS pi_old (old_logp stays None). pi_ref (adapter off): only for a KL term. Both come from the
-    first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1, KL > 0 at once)."""
-    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
-    if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
-        return
-    if cfg.old_logprobs == "captured":
-        for r in rows:
-            r.old_logp = r.logprobs
-    for mb in minibatches(rows, cfg, step, epoch=0):
-        if cfg.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.num_minibatches > 1):
-            fill_logprobs(model, mb, attr="old_logp", **kw)
-        if cfg.kl_coef > 0:
-            fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
-
-def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
-    """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
-    signal costs nothing; one whose loss or gradient norm is not finite is skipped: no NaN reaches the adapter."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    sums, skipped, no_signal = Counter(), 0, 0
-    model.train()
-    for epoch in range(cfg.ppo_epochs):
-        for mb in minibatches(rows, cfg, step, epoch):
-            if not has_signal(mb, cfg):
-                no_signal += 1
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            loss, st = minibatch_loss_and_backward(model, mb, cfg)
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if loss is not None else None
-            if norm is None or not torch.isfinite(norm):
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            optimizer.step()
-            sums.update(st, loss=loss, grad_norm=norm.item(), updates=1)
-    done = max(1, sums["updates"])
-    return {**{k: sums[k] / done for k in ("clip_frac", "kl", "ratio_mean", "grad_norm")}, "skipped_updates": skipped,
-            "no_signal_minibatches": no_signal, "updates": sums["updates"],
-            "loss": sums["loss"] / done if sums["updates"] else float("nan")}
-
-def make_optimizer(model, cfg: Config):
-    """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-    def lr_lambda(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)  # 1.0 at the last step
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-
-def run_record(cfg: Config, train_data: str = "") -> dict:
+def run_settings(cfg: Config, train_data: str = "") -> dict:
     """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
     with other rows would change what every later step draws; --resume compares both)."""
     return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
@@ -2149,7 +2158,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
         model.save_pretrained(tmp)
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
                    tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
-        (tmp / "config.json").write_text(json.dumps(run_record(cfg, train_data), indent=1))
+        (tmp / "config.json").write_text(json.dumps(run_settings(cfg, train_data), indent=1))
     except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos", a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(f"error: could not write {final} ({_short_error(e, 200)}); the logs and older checkpoints are "
@@ -2209,7 +2218,7 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
     if (ckpt := latest_checkpoint(out_dir)) is None:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
         return None
-    saved, now = json.loads((ckpt / "config.json").read_text()), run_record(cfg, train_data)
+    saved, now = json.loads((ckpt / "config.json").read_text()), run_settings(cfg, train_data)
     changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in saved if k in now and saved[k] != now[k]
                and (k not in RESUME_SAFE or k.endswith("_base_url") and "" in (saved[k], now[k]))]  # ("": in-process)
     if changed:
@@ -2253,17 +2262,17 @@ def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
             "structured_valid": rate("structured_valid", "structured"),
             "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
 
-def rollout_and_judge(model, tokenizer, batch: list[dict], fixed: Engine, judge: Optional[Engine], tools: dict,
+def rollout_and_judge(model, tokenizer, batch: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict,
                       cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
     """G trajectories per question of `batch` (trajectory i answers batch[i // G]), their rewards, judge fallbacks."""
-    G = cfg.group_size
-    states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, fixed, tools, group_size=G, timings=timings)
+    G, questions = cfg.group_size, [b["question"] for b in batch]
+    states = rollout(model, tokenizer, questions, cfg, frozen, tools, group_size=G, timings=timings)
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
                                        [b["answer"] for b in batch for _ in range(G)], judge,
                                        [b.get("source") for b in batch for _ in range(G)])
     return states, rewards, fallbacks
 
-def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fixed: Engine, judge: Optional[Engine],
+def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], frozen: Engine, judge: Optional[Engine],
                   tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
     """DAPO's dynamic sampling (--dynamic-sampling N): groups of equal rewards are dropped, and up to N more batches
     (their own seeded RNG: resumable) rolled out until B groups with variance are kept (N = 0: all are kept)."""
@@ -2272,7 +2281,7 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fi
         if attempt:
             draw = random.Random(f"dynamic-{cfg.seed}-{step}-{attempt}")
             batch = [data_rows[i] for i in draw.sample(range(len(data_rows)), min(cfg.batch_size, len(data_rows)))]
-        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, fixed, judge, tools, cfg, timings)
+        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
         c.update(rollouts=1, groups=len(batch), flat_groups=zero_std_frac(rewards, [i // G for i in range(len(states))])
                  * len(batch), judge_fallbacks=fallbacks, trajectories=len(states), reward_sum=sum(rewards))
         for g in range(len(batch)):
@@ -2285,15 +2294,15 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fi
     n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
     return kept_states[:n], kept_rewards[:n], c
 
-def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed: Engine, judge: Optional[Engine],
+def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen: Engine, judge: Optional[Engine],
                tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None
                ) -> tuple[dict, list[AgentState], list[float]]:
     """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
     reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
-    engines = {id(e): e for e in (fixed, judge) if e is not None}.values()  # the judge may be the fixed engine
+    engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
     G, timings, t0 = cfg.group_size, {}, time.perf_counter()
-    sent = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, and failed
-    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, fixed, judge, tools, cfg, step,
+    before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
+    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
                                        timings)
     group_ids = [i // G for i in range(len(states))]
     rows = build_rows(states, rewards, group_ids, cfg.adv_scale, cfg.adv_unit)
@@ -2311,8 +2320,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], fixed:
                **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
                **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit")
                   for k in ("planner", "fixed", "tools")},
-               "engine_requests": sum(e.requests for e in engines) - sent[0],
-               "engine_failures": sum(e.failures for e in engines) - sent[1]}
+               "engine_requests": sum(e.requests for e in engines) - before[0],
+               "engine_failures": sum(e.failures for e in engines) - before[1]}
     return metrics, states, rewards
 
 class GracefulInterrupt:
@@ -2341,7 +2350,7 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
     """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens."""
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
 
-def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
+def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (with the frozen analyst's real notes)
     -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t, each step, own AdamW. Every question is paired
     with every tool equally often, so the fit is uniform over tools per question: no tool is taught, and no question
@@ -2349,7 +2358,7 @@ def sft_warm_start(model, tokenizer, fixed: Engine, tools: dict, rows: list[dict
     rng, names = random.Random(f"sft-{cfg.seed}"), list(tools)
     pool = [r["question"] for r in rng.sample(rows, min(len(rows), max(1, cfg.batch_size * cfg.group_size
                                                                        // len(names))))]
-    texts = analyse(pool, fixed, tools) if cfg.analysis else [""] * len(pool)
+    texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
     pairs = [(q, t, name) for q, t in zip(pool, texts) for name in names]  # B x G rows per step, as in a rollout
     prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
                             add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t, _ in pairs]
@@ -2377,14 +2386,14 @@ def route(st: AgentState) -> str:
     """The tools of a trajectory's plans in order, each by its first word: 'Wikipedia>Python'."""
     return ">".join(t.plan.tool_name.split("_")[0] if t.plan else "(unparsed)" for t in st.turns) or "(none)"
 
-def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
+def greedy_eval(planner: Callable, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
     """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), routes per kind
     ({"compound": {"Wikipedia>Python": 12, ...}}), and agent_counts."""
     rewards, c, by_kind, routes = [], Counter(), {}, {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
         questions = [r["question"] for r in chunk]
-        states = solve_batch(questions, planner=planner, fixed=fixed, tools=tools, **agent_options(cfg))
+        states = solve_batch(questions, planner=planner, frozen=frozen, tools=tools, **agent_options(cfg))
         got = judge_rewards(questions, [st.final_output for st in states], [r["answer"] for r in chunk], judge,
                             [r.get("source") for r in chunk])[0]
         rewards += got
@@ -2396,13 +2405,13 @@ def greedy_eval(planner: Callable, fixed: Engine, tools: dict, judge: Optional[E
             "by_kind": {k: sum(v) / len(v) for k, v in by_kind.items()},
             "routes": {k: dict(v.most_common()) for k, v in routes.items()}, "counts": dict(c)}
 
-def held_out_metrics(model, tokenizer, fixed: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
+def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
                      cfg: Config) -> dict:
     """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
     t0 = time.perf_counter()
     model.eval()
     planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
-    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+    result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     log(f"held-out accuracy {result['correct']}/{result['n']}: " + ", ".join(
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
@@ -2421,7 +2430,7 @@ def train(cfg: Config) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
-    model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=True)
+    model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
     start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
     for name in ("metrics.jsonl", "rollouts.jsonl"):
@@ -2429,13 +2438,13 @@ def train(cfg: Config) -> Path:
     if last and start >= cfg.max_steps:
         log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
     if cfg.sft_steps > 0 and last is None:
-        sft_warm_start(model, tokenizer, fixed, tools, data_rows, cfg)
+        sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
         last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
     eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit) if cfg.eval_every else []
-    held_out = functools.partial(held_out_metrics, model, tokenizer, fixed, tools, judge, eval_rows, cfg)
+    held_out = functools.partial(held_out_metrics, model, tokenizer, frozen, tools, judge, eval_rows, cfg)
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
         with open(out_dir / "metrics.jsonl", "a") as mf:
             mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
@@ -2446,7 +2455,7 @@ def train(cfg: Config) -> Path:
                  dynamic_ncols=True) as bar:
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(len(data_rows), cfg.seed, step, cfg.batch_size)]
-            metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, fixed, judge,
+            metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
                                                   tools, cfg, step, data_rows)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(held_out())
@@ -2493,20 +2502,20 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         curve.append(sum(rewards) / len(rewards))
     return curve
 
-# ======== 13. Evaluation and the command line ========================================================
+# ======== 15. Evaluation and the command line ========================================================
 
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
-    model, tokenizer, fixed, tools, judge = build_system(cfg, device, trainable=False)
-    return fixed, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=False)
+    return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
 
 def evaluate(cfg: Config, device: str) -> dict:
     """--eval: greedy solve of the validation set, in lockstep batches of a rollout's size (B x G); the LAST stdout
     line says what happened, in counts."""
     rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit)
-    fixed, tools, judge, planner = build_agent(cfg, device)
+    frozen, tools, judge, planner = build_agent(cfg, device)
     t0 = time.perf_counter()
-    result = greedy_eval(planner.generate, fixed, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+    result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     c = result["counts"]
     print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
           + ", ".join(f"{t} {c.get('tool:' + t, 0)}" for t in tools) + f" ({time.perf_counter() - t0:.0f} s)")
@@ -2519,26 +2528,26 @@ def evaluate(cfg: Config, device: str) -> dict:
 
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
-    fixed, tools, _, planner = build_agent(cfg, device)
-    st = solve_batch([cfg.ask], planner=planner.generate, fixed=fixed, tools=tools, **agent_options(cfg))[0]
+    frozen, tools, _, planner = build_agent(cfg, device)
+    st = solve_batch([cfg.ask], planner=planner.generate, frozen=frozen, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
 
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, fixed, tools) -> list[str]:
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
     trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
     generated = []  # every prompt really generated goes in (LocalEngine: after its batching)
-    name = "_generate" if hasattr(fixed, "_generate") else "_complete"
-    setattr(fixed, name, lambda prompts, *a, f=getattr(fixed, name): generated.extend(prompts) or f(prompts, *a))
+    name = "_generate" if hasattr(frozen, "_generate") else "_complete"
+    setattr(frozen, name, lambda prompts, *a, f=getattr(frozen, name): generated.extend(prompts) or f(prompts, *a))
     seconds = {}
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
         torch.manual_seed(cfg.seed)
         t: dict[str, float] = {}
         generated.clear()
-        fixed.dedup = mode != "unshared"
+        frozen.dedup = mode != "unshared"
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
         with timed(seconds, mode):
-            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, fixed, tools, group_size=g,
+            states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, frozen, tools, group_size=g,
                                                              timings=t, share_prefill=mode == "lockstep")]
         if mode == "lockstep":  # and one update on its turns: their share of a training step. At lr 0: the same
             n = len(states)  # work, but the next modes sample the same policy (an update would change the planner)
@@ -2607,16 +2616,16 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls. Each
     phase is split into the model's forward passes (timed by hooks, the GPU waited for) and the rest."""
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file)[:cfg.batch_size]]
-    model, tokenizer, fixed, tools, _ = build_system(cfg, device, trainable=True)
+    model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
     sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # generate() bypasses peft's forward
     core.register_forward_pre_hook(lambda *_: sync() or t0.append(time.perf_counter()))
     core.register_forward_hook(lambda *_: sync() or usage(forward_s=time.perf_counter() - t0.pop()) and None)  # (a
     # hook that returned something would replace the model's output)
-    rollout(model, tokenizer, questions[:1], cfg, fixed, tools, group_size=1)  # warm-up: first calls pay one-off costs
+    rollout(model, tokenizer, questions[:1], cfg, frozen, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")
-    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, fixed, tools), cfg)
+    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools), cfg)
     _remote_speedup(group)
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:

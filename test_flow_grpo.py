@@ -333,7 +333,641 @@ def test_cpu_runs_use_half_the_cores_unless_omp_num_threads_says_otherwise(tmp_p
 
 
 # ====================================================================================================
-# 3. LLM engines: the tolerant parser, remote and local engines, constrained decoding, models
+# 3. Sampling with log-prob capture
+# ====================================================================================================
+
+def test_captured_and_recomputed_logprobs_agree(tiny):
+    """Behaviour log-probs (sampling loop, KV cache, left padding) == the update's batched recomputation."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    prompts = rendered(tok, ["hi", "a much longer prompt so that rows are padded differently", "mid size one"])
+    samples = fg.sample_actions(model, tok, prompts, max_new_tokens=20, temperature=0.7)
+    again = fg.action_logprobs(model, [s.prompt_ids for s in samples], [s.action_ids for s in samples], temperature=0.7)
+    for s, lp in zip(samples, again):
+        assert len(s.logprobs) == len(s.action_ids) == len(lp) > 0
+        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
+    # the same, one row at a time: padding must not change anything
+    alone = fg.action_logprobs(model, [samples[0].prompt_ids], [samples[0].action_ids], temperature=0.7)[0]
+    assert torch.allclose(alone, again[0], atol=1e-4)
+    # and a wrong temperature must NOT agree (the test can fail)
+    wrong = fg.action_logprobs(model, [samples[1].prompt_ids], [samples[1].action_ids], temperature=1.0)[0]
+    assert not torch.allclose(wrong, samples[1].logprobs, atol=1e-3)
+
+
+def test_actions_end_at_the_first_stop_token_and_prompts_are_unpadded(tiny):
+    """Make a token that the model really sampled mid-action a stop token, sample again with the same seed:
+    the action must now end right after it, the stop token kept and nothing after it."""
+    model, tok = tiny
+    prompts = rendered(tok, ["x", "a longer prompt"] * 2)
+    torch.manual_seed(3)  # one row: when rows finish and leave the batch, the others' random draws shift
+    free = fg.sample_actions(model, tok, prompts[:1], max_new_tokens=30, temperature=1.0)
+    stop = int(free[0].action_ids[10])
+    cut = free[0].action_ids.tolist().index(stop) + 1  # its first occurrence
+    eos = tok.eos_token_id
+    model.generation_config.eos_token_id = [eos, stop]
+    try:
+        torch.manual_seed(3)
+        alone = fg.sample_actions(model, tok, prompts[:1], max_new_tokens=30, temperature=1.0)
+        stopped = fg.sample_actions(model, tok, prompts, max_new_tokens=30, temperature=1.0)
+    finally:
+        model.generation_config.eos_token_id = eos
+    assert alone[0].action_ids.tolist() == free[0].action_ids[:cut].tolist()
+    assert torch.equal(alone[0].logprobs, free[0].logprobs[:cut])
+    for s in stopped:
+        ids = s.action_ids.tolist()
+        ends = [i for i, t in enumerate(ids) if t in (eos, stop)]
+        assert not ends or ends[0] == len(ids) - 1  # nothing after the first stop token
+        assert s.prompt_ids[0].item() == tok.convert_tokens_to_ids("<|im_start|>")  # the left padding is gone
+
+
+def count_tokens(model):
+    """Tokens pushed through the model (prompt columns, padding included, and decode steps), via a hook."""
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, inp, out: seen.append(inp[0].numel()))
+    return seen, handle
+
+
+def test_shared_prefill_pushes_each_prompt_once_and_drops_finished_rows(tiny):
+    model, tok = tiny
+    prompt = fg.render_chat(tok, "a long planner prompt that every row of the group shares " * 12)
+    P = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    seen, handle = count_tokens(model)
+    try:
+        for share in (True, False):
+            seen.clear()
+            torch.manual_seed(0)
+            samples = fg.sample_actions(model, tok, [prompt] * 8, max_new_tokens=6, temperature=1.0,
+                                        share_prefill=share)
+            # prefill, then one token per live row per step; a row's last token is never fed back
+            decoded = sum(len(s.action_ids) - 1 for s in samples)
+            assert sum(seen) == (1 if share else 8) * P + decoded
+            assert sum(seen) <= (2 if share else 9) * P
+    finally:
+        handle.remove()
+
+
+def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(tiny):
+    """Duplicates of prompts of different lengths, interleaved; a token the model samples often is made a stop
+    token, so rows end (and leave the batch) at different steps."""
+    model, tok = tiny
+    prompts = rendered(tok, ["hi", "a much longer prompt, padded differently", "hi", "mid size",
+                             "a much longer prompt, padded differently", "hi"])
+    torch.manual_seed(5)
+    free = fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7)
+    stop = Counter(t for s in free for t in s.action_ids.tolist()).most_common(1)[0][0]
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    try:
+        runs = []
+        for share in (True, False):
+            torch.manual_seed(5)
+            runs.append(fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7, share_prefill=share))
+    finally:
+        model.generation_config.eos_token_id = tok.eos_token_id
+    shared, unshared = runs
+    again = fg.action_logprobs(model, [s.prompt_ids for s in shared], [s.action_ids for s in shared], temperature=0.7)
+    for s, u, lp, p in zip(shared, unshared, again, prompts):
+        assert tok.decode(s.prompt_ids) == p and len(s.logprobs) == len(s.action_ids) == len(lp) > 0
+        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
+        assert torch.equal(s.action_ids, u.action_ids)  # same seed, same law: the same draws
+    assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
+
+
+def update_peak_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
+    """Peak RSS growth in MB of one forward+backward giving an action's log-probs at a real vocabulary size ('naive':
+    full-sequence logits and log-softmax; 'ours': fg.action_logprobs). Run it in a fresh process: peak RSS never
+    goes down, so a second measurement in the same process would see the first one's peak."""
+    def rss_mb(key: str) -> float:  # VmRSS now, VmHWM peak
+        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
+
+    model = fg.build_tiny_model()[0]
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
+    base_mb = rss_mb("VmRSS")
+    if mode == "naive":
+        logp_LV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
+        logp_A = logp_LV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
+    else:
+        logp_A = fg.action_logprobs(model, [prompt], [action], temperature=1.0)[0]
+    logp_A.sum().backward()
+    return rss_mb("VmHWM") - base_mb
+
+
+def test_action_logprobs_peaks_under_a_quarter_of_a_naive_log_softmax():
+    """The README's memory row (`python -m pytest -q -s -k naive_log_softmax`): a 4,096-token prompt, a 256-token
+    action, Qwen's 151,936-token vocabulary; each side in its own process (~8 GB for the naive one, ~25 s)."""
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS: the memory bound went untested")
+    peak = {}
+    for mode in ("naive", "ours"):
+        probe = f"import test_flow_grpo as t; print(t.update_peak_mb({mode!r}))"
+        done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              timeout=300, check=True)
+        peak[mode] = float(done.stdout.split()[-1])
+    print(f"\nupdate memory: naive {peak['naive']:.0f} MB vs ours {peak['ours']:.0f} MB (4096-token prompt + 256-token "
+          f"action, 151,936-token vocabulary, forward+backward, peak RSS growth; "
+          f"{peak['ours'] / peak['naive']:.2f} of naive)")
+    assert peak["naive"] > 1000 and peak["ours"] < 0.25 * peak["naive"]
+
+
+
+# ====================================================================================================
+# 4. Group advantages
+# ====================================================================================================
+
+def test_group_advantages_edge_cases():
+    # one-member groups and non-contiguous ids: a single sample carries no comparison, so 0
+    adv = fg.group_advantages([1.0, 0.0, 1.0, 0.0], [7, 3, 3, 9])
+    assert adv[0] == 0 and adv[3] == 0 and adv[1] < 0 < adv[2]
+    # 'batch': the zero-variance group stays exactly 0 and the others are scaled by the batch std
+    batch = fg.group_advantages([1, 0, 1, 1], [0, 0, 1, 1], scale="batch")
+    assert batch[2] == 0 and batch[3] == 0 and batch[0] == -batch[1] > 0
+
+
+def test_group_advantages():
+    adv = fg.group_advantages([1, 0, 0, 0, 1, 1, 0.5, 0.5], [0, 0, 0, 0, 1, 1, 2, 2])
+    assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]), atol=1e-4)
+    none = fg.group_advantages([1, 0, 1, 1], [0, 0, 1, 1], scale="none")
+    assert torch.allclose(none, torch.tensor([0.5, -0.5, 0, 0]))
+    batch = fg.group_advantages([1, 0, 3, 1], [0, 0, 1, 1], scale="batch")
+    centred = torch.tensor([0.5, -0.5, 1.0, -1.0])
+    assert torch.allclose(batch, centred / torch.tensor([1.0, 0, 3, 1]).std(), atol=1e-4)  # TRL's: std of all rewards
+    assert fg.zero_std_frac([1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(2 / 3)
+
+
+def test_ids_of_any_hashable_type_and_the_five_tensor_call():
+    r = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    ints, strs = [0, 0, 1, 1, 2, 2], ["q1", "q1", "q2", "q2", "q3", "q3"]
+    assert torch.equal(fg.group_advantages(r, strs), fg.group_advantages(r, ints))
+    assert torch.equal(fg.group_advantages(r, torch.tensor(ints)), fg.group_advantages(r, ints))
+    assert fg.zero_std_frac(r, strs) == fg.zero_std_frac(r, ints) == pytest.approx(1 / 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(fg.aggregation_weights(mask, "turn", ["a", "a", "b"]), fg.aggregation_weights(mask, "turn", [5, 5, 9]))
+    g = torch.Generator().manual_seed(0)
+    logp, old, ref = (-torch.rand(3, 3, generator=g) for _ in range(3))
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    five, _ = fg.grpo_loss(logp, old, ref, adv, mask)  # agg='turn' without traj_ids: each row its own trajectory
+    assert five.item() == pytest.approx(fg.grpo_loss(logp, old, ref, adv, mask, agg="seq-mean-token-mean")[0].item())
+    with pytest.raises(ValueError):
+        fg.group_advantages(r, ints, scale="grouped")
+
+
+def test_batch_scale_is_trls_std_of_all_rewards():
+    # one informative group of 16 among zero-variance ones: centred / std(ALL rewards), as TRL's scale_rewards='batch'
+    r = torch.tensor([1.0] * 4 + [0.0] * 12 + [1.0] * 16 + [0.0] * 16)
+    ids = [i // 16 for i in range(len(r))]
+    centred = r - r.view(-1, 16).mean(1).repeat_interleave(16)
+    assert torch.allclose(fg.group_advantages(r, ids, scale="batch"), centred / (r.std() + 1e-6), atol=1e-6)
+
+
+
+# ====================================================================================================
+# 5. The clipped-ratio loss
+# ====================================================================================================
+
+def test_grpo_loss_matches_hand_computation_for_each_aggregation():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 4, generator=g)
+    old = logp + 0.3 * torch.randn(3, 4, generator=g)
+    ref = logp + 0.2 * torch.randn(3, 4, generator=g)
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    traj = [0, 0, 1]  # rows 0 and 1 are two turns of trajectory 0
+    lo, hi, beta = 0.2, 0.3, 0.1
+    per = [[None] * 4 for _ in range(3)]
+    for b in range(3):
+        for t in range(4):
+            r = math.exp(logp[b, t] - old[b, t])
+            pg = -min(r * adv[b], min(max(r, 1 - lo), 1 + hi) * adv[b])
+            d = float(ref[b, t] - logp[b, t])
+            per[b][t] = float(pg) + beta * (math.exp(d) - d - 1)
+    lens = [2, 4, 1]
+    rowmean = [sum(per[b][:lens[b]]) / lens[b] for b in range(3)]
+    expected = {
+        "turn": ((rowmean[0] + rowmean[1]) / 2 + rowmean[2]) / 2,  # 1/N_traj sum_i 1/T_i sum_t rowmean
+        "token-mean": sum(sum(per[b][:lens[b]]) for b in range(3)) / 7,
+        "seq-mean-token-mean": sum(rowmean) / 3,
+    }
+    for agg, want in expected.items():
+        loss, stats = fg.grpo_loss(logp, old, ref, adv, mask, clip_low=lo, clip_high=hi, kl_coef=beta, agg=agg,
+                                   traj_ids=traj)
+        assert loss.item() == pytest.approx(want, rel=1e-5), agg
+    assert 0 < stats["clip_frac"] < 1 and stats["kl"] > 0
+
+
+@pytest.mark.parametrize("log_ratio,adv,flows", [
+    (0.5, +1.0, False),   # rho = 1.65 > 1 + 0.3, A > 0: already pushed up enough -> clipped, no gradient
+    (0.5, -1.0, True),    # rho high, A < 0: the unclipped term is the min -> gradient flows (undo it)
+    (-0.5, +1.0, True),   # rho = 0.61 < 1 - 0.2, A > 0: gradient flows (raise it again)
+    (-0.5, -1.0, False),  # rho low, A < 0: already pushed down enough -> clipped, no gradient
+])
+def test_clipping_cases(log_ratio, adv, flows):
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - log_ratio]])
+    loss, stats = fg.grpo_loss(logp, old, logp.detach(), torch.tensor([adv]), torch.ones(1, 1, dtype=torch.bool),
+                               clip_low=0.2, clip_high=0.3, kl_coef=0.0, agg="token-mean")
+    loss.backward()
+    assert (logp.grad.abs().item() > 0) == flows
+    assert stats["clip_frac"] == (0.0 if flows else 1.0)
+    if flows:  # and the gradient descends in the direction that helps: d loss/d logp = -A * rho
+        assert logp.grad.item() == pytest.approx(-adv * math.exp(log_ratio), rel=1e-5)
+
+
+def test_masked_positions_do_not_change_loss_or_gradient():
+    g = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(2, 5, generator=g)).requires_grad_()
+    old, ref = logp.detach() + 0.1, logp.detach() - 0.1
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    args = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, agg="turn", traj_ids=[0, 1])
+    loss1, _ = fg.grpo_loss(logp, old, ref, torch.tensor([1.0, -1.0]), mask, **args)
+    (grad1,) = torch.autograd.grad(loss1, logp)
+    for junk in ((float("-inf"), 1e4), (float("nan"), float("nan"))):  # garbage where the mask is 0 (NaN: past clamps)
+        junk_old, junk_ref = old.clone(), ref.clone()
+        junk_old[0, 3:], junk_ref[0, 3:] = junk
+        loss2, _ = fg.grpo_loss(logp, junk_old, junk_ref, torch.tensor([1.0, -1.0]), mask, **args)
+        (grad2,) = torch.autograd.grad(loss2, logp)
+        assert torch.isfinite(loss2) and loss2.item() == pytest.approx(loss1.item(), rel=1e-6), junk
+        assert torch.equal(grad1, grad2) and torch.all(grad1[0, 3:] == 0), junk
+
+
+# ---- the loss: verl's dual clip and guards; AgentFlow's objective; any hashable ids
+
+def one_token_loss(log_ratio, adv, **kw):
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    loss, stats = fg.grpo_loss(logp, logp.detach() - log_ratio, logp.detach(), torch.tensor([adv]),
+                               torch.ones(1, 1, dtype=torch.bool), kl_coef=0.0, agg="token-mean", **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.item(), grad.item(), stats
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    assert fg.grpo_loss.__kwdefaults__["clip_ratio_c"] == 3.0 == fg.Config.clip_ratio_c  # AgentFlow's (verl's)
+    loss, grad, stats = one_token_loss(math.log(5.0), -2.0)  # rho = 5 > c = 3, A < 0: loss capped at -c*A = 6
+    assert loss == pytest.approx(6.0) and grad == 0.0 and stats["dual_clip_frac"] == 1.0
+    loss, grad, stats = one_token_loss(math.log(5.0), -2.0, clip_ratio_c=None)  # off: -rho*A = 10, gradient flows
+    assert loss == pytest.approx(10.0) and grad == pytest.approx(10.0) and stats["dual_clip_frac"] == 0.0
+    loss, grad, _ = one_token_loss(math.log(2.0), -2.0)  # rho = 2 < c: untouched
+    assert loss == pytest.approx(4.0) and grad == pytest.approx(4.0)
+    assert fg.parse_config(["--clip-ratio-c", "0"]).clip_ratio_c == 0  # 0 = off on the command line
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--clip-ratio-c", "0.5"])
+
+
+def test_extreme_log_ratios_and_kl_stay_finite_and_bounded():
+    for adv in (1.0, -1.0):
+        for c in (3.0, None):
+            loss, grad, _ = one_token_loss(100.0, adv, clip_ratio_c=c)  # exp(100) overflows float32
+            assert math.isfinite(loss) and math.isfinite(grad), (adv, c)
+    logp = torch.tensor([[-60.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]])  # ref - logp = 59: unclamped k3 would be ~4e25
+    loss, stats = fg.grpo_loss(logp, logp.detach(), ref, torch.tensor([0.0]), torch.ones(1, 2, dtype=torch.bool),
+                               kl_coef=0.1, agg="token-mean")
+    loss.backward()
+    assert 0 < loss.item() <= 0.1 * 10 and stats["kl"] <= 10 and torch.isfinite(logp.grad).all()
+
+
+def verl_grpo_outcome_advantage(scores, index, eps=1e-6):
+    """Transcribed from the shape of verl's compute_grpo_outcome_advantage: one score per row, grouped by uid."""
+    by_uid = {}
+    for s, uid in zip(scores, index):
+        by_uid.setdefault(uid, []).append(s)
+    stats = {uid: (torch.tensor(0.0), torch.tensor(1.0)) if len(v) == 1 else
+             (torch.mean(torch.tensor(v)), torch.std(torch.tensor([v]))) for uid, v in by_uid.items()}
+    return torch.stack([(torch.tensor(s) - stats[u][0]) / (stats[u][1] + eps) for s, u in zip(scores, index)])
+
+
+def verl_actor_loss(old, logp, ref, adv_BT, mask, lo, hi, c, kl_coef):
+    """verl's compute_policy_loss (vanilla, dual clip) + agg_loss('token-mean') + low_var_kl KL loss."""
+    def masked_mean(x):
+        return (x * mask).sum() / mask.sum()
+    neg_kl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_kl)
+    pg_losses1 = -adv_BT * ratio
+    pg_losses2 = -adv_BT * torch.clamp(ratio, 1 - lo, 1 + hi)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    clip_pg_losses2 = torch.min(-adv_BT * c, clip_pg_losses1)
+    pg_losses = torch.where(adv_BT < 0, clip_pg_losses2, clip_pg_losses1)
+    kl = torch.clamp(ref - logp, min=-20, max=20)
+    kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    return masked_mean(pg_losses) + kl_coef * masked_mean(kld)
+
+
+def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objective():
+    g = torch.Generator().manual_seed(3)
+    B, G = 3, 4
+    rewards = [float(x) for x in torch.randint(0, 2, (B * G,), generator=g)] + [1.0] * G  # + a zero-variance group
+    turns = torch.randint(1, 5, (len(rewards),), generator=g).tolist()
+    group_ids = [f"q{i // G}" for i in range(len(rewards))]  # string ids
+    turn = fg.Turn(plan_text="", plan=None, call=None, result=None, planner_output=fg.Sample(*[torch.zeros(1)] * 3, ""))
+    states = [fg.AgentState(question="q", memory=fg.Memory(), turns=[turn] * t) for t in turns]
+    rows = fg.build_rows(states, rewards, group_ids, "group", unit="turn")
+    assert [r.traj_id for r in rows] == [i for i, t in enumerate(turns) for _ in range(t)]
+    lens = torch.randint(1, 7, (len(rows),), generator=g)
+    mask = torch.arange(6)[None, :] < lens[:, None]
+    logp = (-2 * torch.rand(len(rows), 6, generator=g)).requires_grad_()
+    old = logp.detach() + 1.5 * torch.randn(len(rows), 6, generator=g)  # big moves: both clips and the dual clip
+    ref = logp.detach() + 0.5 * torch.randn(len(rows), 6, generator=g)
+    adv_R = torch.tensor([r.advantage for r in rows])
+    ours, stats = fg.grpo_loss(logp, old, ref, adv_R, mask, clip_low=0.2, clip_high=0.3, clip_ratio_c=3.0,
+                               kl_coef=0.01, agg="token-mean")
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    verl_adv = verl_grpo_outcome_advantage([rewards[r.traj_id] for r in rows], [group_ids[r.traj_id] for r in rows])
+    theirs = verl_actor_loss(old, logp, ref, verl_adv[:, None] * mask, mask, 0.2, 0.3, 3.0, 0.01)
+    (grad_theirs,) = torch.autograd.grad(theirs, logp)
+    assert stats["dual_clip_frac"] > 0 and stats["clip_frac"] > 0
+    assert torch.allclose(adv_R, verl_adv, atol=1e-6)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
+    per_traj = fg.group_advantages(rewards, [i // G for i in range(len(rewards))])  # the paper's unit differs
+    assert not torch.allclose(adv_R, torch.tensor([float(per_traj[r.traj_id]) for r in rows]), atol=1e-2)
+    assert fg.parse_config(["--adv-unit", "turn"]).adv_unit == "turn"
+    with pytest.raises(SystemExit):
+        fg.parse_config(["--adv-unit", "token"])
+
+
+
+# ====================================================================================================
+# 6. The update: pi_old and pi_ref, minibatches, exact gradient accumulation, the optimizer
+# ====================================================================================================
+
+def test_ratio_is_one_before_the_first_update(tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q1", "q2 longer"] * 2), max_new_tokens=12, temperature=0.7)
+    rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5])
+    for mode in ("captured", "recompute"):
+        cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=3, old_logprobs=mode)
+        if mode == "recompute":  # other chunks than the update's (2 vs 3 rows): padding must not matter
+            fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=2, attr="old_logp")
+            assert all(torch.allclose(r.old_logp, r.logprobs, atol=1e-4) for r in rows)
+        else:  # the sampler's own log-probs against the update's forward pass: the real test
+            for r in rows:
+                r.old_logp = r.logprobs
+        fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="ref_logp", base=True)
+        model.zero_grad()
+        _, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
+        assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and stats["clip_frac"] == 0.0, mode
+        assert stats["kl"] > 0  # the adapter is non-trivial: policy != base
+    model.zero_grad()
+
+
+def test_fill_old_and_ref_picks_pi_old_per_mode_and_later_passes_really_clip():
+    model, tok = fresh_tiny()  # (its own: this test updates the weights)
+    torch.manual_seed(0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q1", "q2 longer"] * 2), max_new_tokens=8, temperature=0.7)
+
+    def filled(**flags):
+        cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=2, **flags)
+        rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5])
+        fg.fill_old_and_ref(model, rows, cfg, step=1)
+        return cfg, rows
+
+    _, rows = filled(old_logprobs="captured")
+    assert all(r.old_logp is r.logprobs and r.ref_logp is not None for r in rows)
+    _, rows = filled(old_logprobs="recompute")  # one pass: the update's own forward is pi_old, no extra pass
+    assert all(r.old_logp is None and r.ref_logp is not None for r in rows)
+    _, rows = filled(old_logprobs="recompute", kl_coef=0.0)  # no KL term: no pi_ref pass
+    assert all(r.ref_logp is None for r in rows)
+    for flags in (dict(num_minibatches=2), dict(ppo_epochs=3)):  # several passes: pi_old = the sampling policy, fixed
+        cfg, rows = filled(old_logprobs="recompute", **flags)
+        assert all(torch.allclose(r.old_logp, r.logprobs, atol=1e-4) for r in rows), flags
+    # ... and that fixed pi_old is what lets the later epochs clip: with old_logp left None every ratio would be 1
+    stats = fg.update_policy(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05),
+                             rows, cfg, step=1)
+    assert stats["clip_frac"] > 0 and abs(stats["ratio_mean"] - 1) > 1e-3, stats
+
+
+def test_bf16_pi_old_and_pi_ref_come_from_the_updates_own_micro_batches(capsys):
+    """In bf16 a row's log-probs move with its batch-mates (padding, kernels). pi_old and pi_ref are computed in the
+    first pass's own micro-batches, so with lr = 0 (the weights never move) every ratio is exactly 1 and the KL to a
+    still-zero adapter exactly 0 (chunks in row order: ratio_mean 1.00008, KL 1.4e-7)."""
+    cfg = fg.Config(model="tiny", device="cpu", dtype="bfloat16", lora_r=4, lora_alpha=8, temperature=0.7,
+                    num_minibatches=2, micro_batch_size=2, kl_coef=0.1, old_logprobs="captured")
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    assert "captured in bf16" in capsys.readouterr().err  # the sampler's cached decoding is not the update's forward
+    dtypes = {k: p.dtype for n, p in model.named_parameters() if "layers.0.self_attn.q_proj" in n
+              for k in ("base_layer", "lora_A", "lora_B") if k in n}
+    assert dtypes == {"base_layer": torch.bfloat16, "lora_A": torch.float32, "lora_B": torch.float32}
+    torch.manual_seed(0)
+    prompts = rendered(tok, ["q", "a longer question here", "mid one", "x y z w v u t s r q p o n m"] * 2)
+    samples = fg.sample_actions(model, tok, prompts, max_new_tokens=12, temperature=0.7)
+    assert len({len(s.prompt_ids) + len(s.action_ids) for s in samples}) > 3  # ragged: padding differs per chunk
+    rows = make_rows(samples, [1.0, -1.0] * 4)
+    cfg = dataclasses.replace(cfg, old_logprobs="recompute")
+    fg.fill_old_and_ref(model, rows, cfg, step=1)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    stats = fg.update_policy(model, optimizer, rows, cfg, step=1)
+    assert (stats["ratio_mean"], stats["clip_frac"], stats["kl"]) == (1.0, 0.0, 0.0), stats
+
+
+def test_dtype_rounds_the_weights_not_the_rope_frequencies(tmp_path):
+    """--dtype bfloat16: weights in bf16, RoPE's inv_freq left in float32 as from_pretrained leaves it (a model.to(
+    dtype) rounded it too: for Qwen2.5 an angle off by 2.3 rad at position 2000). The tiny model and a folder alike."""
+    model, tok = fg.build_tiny_model(0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for name in ("tiny", str(tmp_path)):
+        loaded, _ = fg.load_policy(fg.Config(model=name, dtype="bfloat16"), "cpu", trainable=False)
+        buffers = {n.split(".")[-1]: b.dtype for n, b in loaded.named_buffers()}
+        assert buffers["inv_freq"] == torch.float32 and loaded.model.embed_tokens.weight.dtype == torch.bfloat16, name
+
+
+def test_gradient_checkpointing_saves_memory_not_gradient():
+    """--gradient-checkpointing recomputes activations in the backward: the LoRA gradient must not change."""
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model, tok = fg.load_policy(fg.Config(model="tiny", lora_r=4, gradient_checkpointing=on), "cpu", trainable=True)
+        model.train()
+        assert model.is_activation_checkpointing == on
+        prompt, action = tok(["Task: 12 squared", "144<|im_end|>"], add_special_tokens=False)["input_ids"]
+        fg.action_logprobs(model, [torch.tensor(prompt)], [torch.tensor(action)], temperature=1.0)[0].sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+    assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
+    """With ppo_epochs == num_minibatches == 1 the trainer skips the pi_old pass (old_logp=None: the update's
+    own detached log-probs) and the ref pass when kl_coef == 0. Same loss and gradient as computing them."""
+    model, tok = tiny
+    torch.manual_seed(4)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["a", "bb", "ccc"]), max_new_tokens=8, temperature=1.0)
+    for kl_coef in (0.0, 0.1):
+        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2, kl_coef=kl_coef)
+        results = []
+        for explicit in (True, False):
+            rows = make_rows(samples, [1.0, -0.5, 0.25])
+            if explicit:
+                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="old_logp")
+            if explicit or kl_coef > 0:
+                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="ref_logp", base=True)
+            model.zero_grad()
+            loss, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
+            results.append((loss, stats, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])))
+        model.zero_grad()
+        (l1, s1, g1), (l2, s2, g2) = results
+        assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-7) and s2["ratio_mean"] == 1.0
+        assert g1.abs().sum() > 0 and torch.allclose(g1, g2, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("agg", fg.AGGREGATIONS)
+def test_gradient_accumulation_equals_one_big_batch(tiny, agg):
+    model, tok = tiny
+    torch.manual_seed(1)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["a", "bb", "ccc", "dddd", "e", "ff"]), max_new_tokens=10,
+                                temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0, 0.3, -0.3, 2.0, -2.0])
+    for r, t in zip(rows, [0, 0, 1, 1, 1, 2]):  # uneven turns per trajectory, so 'turn' weighting matters
+        r.traj_id = t
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="old_logp")
+    for r in rows:  # make ratios != 1 so the clip is exercised too
+        r.old_logp = r.old_logp + 0.3 * torch.randn(len(r.old_logp))
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="ref_logp", base=True)
+    grads = {}
+    for micro in (6, 4, 1):
+        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=micro, agg=agg, kl_coef=0.1)
+        model.zero_grad()
+        loss, _ = fg.minibatch_loss_and_backward(model, rows, cfg)
+        grads[micro] = (loss, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+    model.zero_grad()
+    full_loss, full = grads[6]
+    assert full.abs().sum() > 0
+    for micro in (4, 1):
+        assert grads[micro][0] == pytest.approx(full_loss, rel=1e-4, abs=1e-6)  # float32 sums, other padding
+        assert torch.allclose(grads[micro][1], full, rtol=1e-4, atol=1e-7), micro
+
+
+def test_one_update_changes_lora_and_not_base():
+    cfg = fg.Config(model="tiny", device="cpu", lr=1e-2, warmup_steps=0, micro_batch_size=4, temperature=1.0)
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    opt, _ = fg.make_optimizer(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 4), max_new_tokens=8, temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0, 1.0, -1.0])
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="old_logp")
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="ref_logp", base=True)
+    stats = fg.update_policy(model, opt, rows, cfg, step=1)
+    assert stats["skipped_updates"] == 0
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert any("lora_B" in n for n in changed)
+
+
+def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner_or_the_update(monkeypatch):
+    """A tool thread abandoned at a phase deadline may call the frozen engine (adapter off) at any later time. Here
+    one such call is in flight while the planner samples, another while the update runs: the samples must be the
+    policy's (ratio 1 against the captured log-probs) and the update must train LoRA (adapter off: no gradient)."""
+    cfg = fg.Config(model="tiny", device="cpu", batch_size=1, group_size=4, max_new_tokens=6, temperature=1.0,
+                    kl_coef=0.0, old_logprobs="captured", lora_r=4, lora_alpha=8)
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    with torch.no_grad():  # a trained-looking adapter: on and off give different log-probs
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    frozen, inside, generate = fg.LocalEngine(model, tok, max_tokens=2), threading.Event(), model.generate
+
+    def slow_generate(*args, **kwargs):  # LocalEngine has switched the adapter off by now; it stays off for 1 s
+        inside.set()
+        time.sleep(1.0)
+        return generate(*args, **kwargs)
+
+    def late_call():  # a frozen-role call from another thread; returns once that call is inside generate()
+        inside.clear()
+        threading.Thread(target=frozen.ask, args=("a late question",), daemon=True).start()
+        assert inside.wait(10)
+
+    def solve(questions, *, planner, **kw):
+        late_call()
+        samples = planner([f"plan for {q}" for q in questions])
+        late_call()  # still in flight when train_step updates
+        return [fg.AgentState(question=q, memory=fg.Memory(), final_output="<answer>1</answer>", turns=[
+            fg.Turn(plan_text=s.text, plan=None, call=None, result=None, planner_output=s)])
+            for q, s in zip(questions, samples)]
+
+    monkeypatch.setattr(model, "generate", slow_generate)
+    monkeypatch.setattr(fg, "solve_batch", solve)
+    seen = {}
+
+    def judge_rewards(questions, answers, truths, engine, sources):  # told each row's source: NQ's "; " joins aliases
+        seen["sources"] = sources
+        return [float(i % 2) for i in range(len(questions))], 0
+
+    monkeypatch.setattr(fg, "judge_rewards", judge_rewards)
+    opt, sched = fg.make_optimizer(model, cfg)
+    batch = [{"question": "q", "answer": "1", "source": "nq"}]
+    m, _, _ = fg.train_step(model, tok, opt, sched, batch, frozen, None, {}, cfg, 1)
+    assert seen["sources"] == ["nq"] * cfg.group_size
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["grad_norm"] > 0 and m["skipped_updates"] == 0
+
+
+def test_pad_right_masks_by_length_not_by_value():
+    out_BA, mask_BA = fg.pad_right([torch.tensor([1, 0, 2]), torch.tensor([0]), torch.tensor([], dtype=torch.long)])
+    assert out_BA.tolist() == [[1, 0, 2], [0, 0, 0], [0, 0, 0]]  # a real 0 (a pad id, a log-prob of 0) stays unmasked
+    assert mask_BA.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
+
+
+@pytest.mark.parametrize("case", ["nan_loss", "inf_gradient"])
+def test_non_finite_loss_or_gradient_skips_the_update(case, monkeypatch):
+    model, tok = fresh_tiny()  # (its own: a guard that failed would wreck the weights with lr = 1)
+    cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1.0)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q", "r"]), max_new_tokens=4, temperature=1.0)
+    rows = make_rows(samples, [float("nan") if case == "nan_loss" else -1.0, 1.0])
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="old_logp")
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="ref_logp", base=True)
+    if case == "nan_loss":  # refused before backward(), not only by the gradient check after it
+        assert fg.minibatch_loss_and_backward(model, rows, cfg) == (None, {})
+    else:  # a finite loss whose gradient overflowed
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf")))
+    before = [p.detach().clone() for p in params]
+    stats = fg.update_policy(model, opt, rows, cfg, step=1)
+    assert stats["skipped_updates"] == 1
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, params))
+
+
+def test_minibatches_keep_trajectories_whole_and_step_once_each(tiny, monkeypatch):
+    model, tok = tiny
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 8), max_new_tokens=3, temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0] * 4)
+    for r, traj in zip(rows, [0, 0, 1, 1, 2, 3, 3, 3]):  # trajectories with 1-3 turns
+        r.traj_id = traj
+        r.old_logp = r.ref_logp = r.logprobs
+    seen = []
+    monkeypatch.setattr(fg, "minibatch_loss_and_backward",
+                        lambda m, mb, cfg: (seen.append(sorted(r.traj_id for r in mb)), (0.0, {}))[1])
+
+    class CountingOpt:
+        steps = 0
+        def zero_grad(self, set_to_none=True): pass
+        def step(self): CountingOpt.steps += 1
+
+    cfg = fg.Config(model="tiny", num_minibatches=2, ppo_epochs=3)
+    fg.update_policy(model, CountingOpt(), rows, cfg, step=1)
+    assert CountingOpt.steps == 6 and len(seen) == 6  # ppo_epochs x num_minibatches optimizer steps
+    turns = Counter(r.traj_id for r in rows)
+    for mb in seen:  # every trajectory in a minibatch brings ALL its turns
+        assert all(mb.count(t) == turns[t] for t in set(mb))
+    for e in range(3):  # and each epoch covers every row exactly once
+        assert sorted(seen[2 * e] + seen[2 * e + 1]) == sorted(r.traj_id for r in rows)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    cfg = fg.Config(model="tiny", lr=1.0, warmup_steps=2, max_steps=10)
+    opt, sched = fg.make_optimizer(torch.nn.Linear(1, 1), cfg)
+    lrs = []
+    for _ in range(cfg.max_steps):
+        lrs.append(sched.get_last_lr()[0])
+        sched.step()
+    assert lrs[0] < lrs[1] < lrs[2] == pytest.approx(1.0)  # linear warmup
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # then monotone cosine decay
+    assert lrs[-1] == pytest.approx(0.1)  # reaching the 10% floor on the last step
+
+
+
+# ====================================================================================================
+# 7. LLM engines: the tolerant parser, remote and local engines, constrained decoding, models
 # ====================================================================================================
 
 def test_parse_structured_cases():
@@ -432,7 +1066,7 @@ def test_openai_engine_other_400s_keep_structured_output(standin):
 
 def test_a_dead_remote_engine_is_one_line_at_start():
     with pytest.raises(SystemExit, match="did not answer"):
-        fg.checked(fg.OpenAIEngine(f"{dead_url()}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
+        fg.probe_server(fg.OpenAIEngine(f"{dead_url()}/v1", "m", max_retries=1, backoff_s=0.01), "--fixed-base-url")
 
 
 def test_openai_engine_batches_concurrently(standin):
@@ -447,11 +1081,11 @@ def test_local_engine_is_the_frozen_base(tiny):
     """With use_adapter=False the engine must generate exactly what the bare base model generates."""
     model, tok = tiny
     prompts = ["What is 2+2?", "Name a planet."]
-    fixed = fg.LocalEngine(model, tok, use_adapter=False, max_tokens=12).generate(prompts)
+    frozen = fg.LocalEngine(model, tok, use_adapter=False, max_tokens=12).generate(prompts)
     policy = fg.LocalEngine(model, tok, use_adapter=True, max_tokens=12).generate(prompts)
     with model.disable_adapter():
         base = [s.text for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=12, temperature=0)]
-    assert fixed == base and len(policy) == 2
+    assert frozen == base and len(policy) == 2
     # and the switch is real: the adapter changes the model's log-probs, the engine's context undoes it
     s = fg.sample_actions(model, tok, rendered(tok, prompts[:1]), max_new_tokens=6, temperature=1.0)[0]
     on = fg.action_logprobs(model, [s.prompt_ids], [s.action_ids], temperature=1.0)[0]
@@ -552,7 +1186,7 @@ def test_remote_malformed_reply_is_a_counted_failure(standin, reply):
 @pytest.mark.parametrize("refusal", [LLAMACPP_500, FASTAPI_422], ids=["llamacpp-500", "fastapi-422"])
 def test_remote_refused_json_schema_falls_back_to_json_object_once(standin, refusal, capsys):
     standin.default = refusing_json_schema(refusal)
-    eng = fg.checked(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry would take 5 s
+    eng = fg.probe_server(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry: 5 s
     assert "--fixed-base-url" in capsys.readouterr().err.splitlines()[-1] and eng.mode == "json_object"
     formats = [b["response_format"] for b in standin.seen]
     assert [f["type"] for f in formats] == ["json_schema", "json_object"]  # the refusal cost no retry
@@ -570,7 +1204,7 @@ def test_remote_hung_server_is_bounded_at_start_and_per_phase(standin, capsys):
     standin.default = ("hang", 30)
     t0 = time.perf_counter()
     with pytest.raises(SystemExit, match="did not answer"):  # --ask against a hung server: one line, soon
-        fg.checked(fg.OpenAIEngine(standin.url, "m", timeout_s=0.5), "--fixed-base-url")
+        fg.probe_server(fg.OpenAIEngine(standin.url, "m", timeout_s=0.5), "--fixed-base-url")
     assert time.perf_counter() - t0 < 3
     eng = fg.OpenAIEngine(standin.url, "m", timeout_s=30, phase_timeout_s=0.5)  # the phase deadline comes first
     t0 = time.perf_counter()
@@ -686,7 +1320,7 @@ def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monk
     tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], tiny_engine, max_tokens=7)
     plan = json.dumps({"sub_goal": "Compute 37 times 91.", "tool_name": "Generalist_Solution_Generator_Tool"})
     timings = {}
-    fg.solve_batch(["What is 37 times 91?", "What is 2 + 2?"], planner=lambda ps: [plan] * len(ps), fixed=tiny_engine,
+    fg.solve_batch(["What is 37 times 91?", "What is 2 + 2?"], planner=lambda ps: [plan] * len(ps), frozen=tiny_engine,
                    tools=tools, max_turns=1, timings=timings)
     for phase in ("fixed", "tools"):
         assert timings[f"gen_tokens_{phase}"] == sum(n for p, n, _ in seen if p == phase) > 0, (seen, timings)
@@ -713,9 +1347,9 @@ def test_train_step_metrics_hold_each_phase_generated_tokens(tmp_path, sample_da
     """What metrics.jsonl gets per step: tokens generated and outputs cut at the limit, per phase; the planner's
     are its samples (the tiny model rarely stops: most hit max_new_tokens)."""
     cfg = smoke_cfg(tmp_path, sample_data, max_turns=1, batch_size=1)
-    model, tok, fixed, tools, judge = fg.build_system(cfg, "cpu", trainable=True)
+    model, tok, frozen, tools, judge = fg.build_system(cfg, "cpu", trainable=True)
     m, states, _ = fg.train_step(model, tok, *fg.make_optimizer(model, cfg)[:2],
-                                 prepare_data.load_questions(cfg.train_file)[:1], fixed, judge, tools, cfg, 1)
+                                 prepare_data.load_questions(cfg.train_file)[:1], frozen, judge, tools, cfg, 1)
     actions = [t.planner_output.action_ids for st in states for t in st.turns]
     stops = fg.stop_token_ids(model, tok)
     assert m["gen_tokens_planner"] == sum(map(len, actions)) > 0
@@ -765,15 +1399,15 @@ def test_real_model_smollm2_every_frozen_role_output_is_valid():
     valid (the planner is the one role left unconstrained, so it is not what this test checks)."""
     t0 = time.perf_counter()
     model, tok = fg.load_policy(fg.Config(model="smollm2-135m", device="cpu"), "cpu", trainable=False)
-    fixed = fg.LocalEngine(model, tok, max_tokens=128)
-    fixed.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
-    tools = fg.make_tools(["Python_Coder_Tool"], fixed, timeout_s=10.0, max_tokens=48)
+    frozen = fg.LocalEngine(model, tok, max_tokens=128)
+    frozen.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
+    tools = fg.make_tools(["Python_Coder_Tool"], frozen, timeout_s=10.0, max_tokens=48)
     plan = json.dumps({"sub_goal": "Compute 37 times 91 exactly.", "tool_name": "Python_Coder_Tool"})
-    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps: [plan] * len(ps), fixed=fixed, tools=tools,
+    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps: [plan] * len(ps), frozen=frozen, tools=tools,
                         max_turns=1)[0]
     trajectory = fg.format_trajectory(st)
     # one turn allowed: the solver skips the verifier (its verdict would change nothing), so ask it here
-    verdict = fixed.ask(fg.verifier_prompt(st.question, st.analysis, st.memory), schema=fg.Verification)
+    verdict = frozen.ask(fg.verifier_prompt(st.question, st.analysis, st.memory), schema=fg.Verification)
     assert st.analysis != "(no analysis)" and st.turns[0].call is not None and verdict is not None, trajectory
     assert st.stats["parse_fail:analysis"] + st.stats["parse_fail:call"] == 0
     assert st.final_output.strip(), trajectory
@@ -792,8 +1426,8 @@ class CountingRoleEngine(RoleEngine):
         return super()._complete(prompts, max_tokens, schema)
 
 
-def solve_identical(fixed, group=8, max_turns=1):
-    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), fixed=fixed,
+def solve_identical(frozen, group=8, max_turns=1):
+    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), frozen=frozen,
                           tools={"Echo_Tool": EchoTool()}, max_turns=max_turns)
 
 
@@ -812,7 +1446,7 @@ def test_greedy_engine_generates_each_distinct_prompt_once():
 
 
 # ====================================================================================================
-# 4. Structured outputs and memory
+# 8-9. Structured outputs and memory
 # ====================================================================================================
 
 def test_json_safe_and_memory_truncate():
@@ -839,7 +1473,7 @@ def test_lenient_next_step_needs_only_tool_name_and_sub_goal():
 
 
 # ====================================================================================================
-# 6. Tools and the sandbox
+# 10. Tools and the sandbox
 # ====================================================================================================
 
 def test_clean_run_returns_stdout_and_no_error():
@@ -1869,12 +2503,12 @@ def test_no_exec_or_eval_of_model_output():
 
 
 # ====================================================================================================
-# 7. The agent
+# 11. The agent
 # ====================================================================================================
 
 def test_solver_correct_path():
     tool = EchoTool()
-    st = fg.solve_batch(["What is 12 squared?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(),
+    st = fg.solve_batch(["What is 12 squared?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(),
                         tools={"Echo_Tool": tool}, max_turns=3)[0]
     assert len(st.turns) == 1 and st.turns[0].verdict.stop_signal  # the verifier stopped after one step
     assert tool.calls == ["print(12**2)"] and st.turns[0].result == {"echo": "print(12**2)"}
@@ -1886,9 +2520,9 @@ def test_solver_correct_path():
 def test_solver_turns_failures_into_memory(case):
     planner = {"unknown_tool": lambda ps: [plan_json("Nope_Tool")] * len(ps),
                "malformed_plan": lambda ps: ["{'justification': oops"] * len(ps)}.get(case, lambda ps: [plan_json()] * len(ps))
-    fixed = RoleEngine(executor_args={"wrong": 1} if case == "bad_arguments" else None, stop_after=2)
+    frozen = RoleEngine(executor_args={"wrong": 1} if case == "bad_arguments" else None, stop_after=2)
     tools = {"Echo_Tool": EchoTool(fail=case == "tool_error")}
-    st = fg.solve_batch(["q?"], planner=planner, fixed=fixed, tools=tools, max_turns=3)[0]
+    st = fg.solve_batch(["q?"], planner=planner, frozen=frozen, tools=tools, max_turns=3)[0]
     err = st.memory.steps[0]["result"]["error"]
     expect = {"unknown_tool": "unknown tool 'Nope_Tool'", "bad_arguments": "did not fit the tool's input schema",
               "tool_error": "tool exploded", "malformed_plan": "not valid JSON"}[case]
@@ -1898,7 +2532,7 @@ def test_solver_turns_failures_into_memory(case):
 
 
 def test_solver_counts_failures_per_kind():
-    class Fixed(RoleEngine):
+    class BadCalls(RoleEngine):
         def _complete(self, prompts, max_tokens, schema):
             out = super()._complete(prompts, max_tokens, schema)
             return ["not json" if "executor" in p and "bad?" in p else o for p, o in zip(prompts, out)]
@@ -1908,10 +2542,10 @@ def test_solver_counts_failures_per_kind():
             return {"stdout": "", "error": "boom"} if self.fail else {"stdout": "144", "error": None}
 
     clean, broken = fg.solve_batch(["ok?", "bad?"], planner=lambda ps: [plan_json()] * len(ps),
-                                   fixed=Fixed(stop_after=1), tools={"Echo_Tool": Coder()}, max_turns=1)
+                                   frozen=BadCalls(stop_after=1), tools={"Echo_Tool": Coder()}, max_turns=1)
     assert clean.stats["tool_error"] == 0 and clean.turns[0].call["tool_name"] == "Echo_Tool"
     assert broken.stats["parse_fail:call"] == 1 and "did not fit" in broken.memory.steps[0]["result"]["error"]
-    failing = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(),
+    failing = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(),
                              tools={"Echo_Tool": Coder(fail=True)}, max_turns=1)[0]
     assert failing.stats["tool_error"] == 1
 
@@ -1923,7 +2557,7 @@ def test_executor_cannot_name_another_tool_or_add_arguments():
                     for p, o in zip(prompts, super()._complete(prompts, max_tokens, schema))]
 
     tool = EchoTool()
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=Other(), tools={"Echo_Tool": tool},
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=Other(), tools={"Echo_Tool": tool},
                         max_turns=1)[0]
     assert "did not fit the tool's input schema" in st.memory.steps[0]["result"]["error"]  # the planner chose the tool
     assert tool.calls == []
@@ -1931,7 +2565,7 @@ def test_executor_cannot_name_another_tool_or_add_arguments():
 
 def test_no_verify_takes_every_turn_and_shows_no_verdict_but_an_unreadable_one_is_shown():
     tools = {"Echo_Tool": EchoTool()}
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=RoleEngine(stop_after=1),
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(stop_after=1),
                         tools=tools, max_turns=3, verify=False)[0]
     assert len(st.turns) == 3 and "VERIFIER" not in fg.format_trajectory(st)  # the verifier would have stopped it
 
@@ -1939,7 +2573,7 @@ def test_no_verify_takes_every_turn_and_shows_no_verdict_but_an_unreadable_one_i
         def _complete(self, prompts, max_tokens, schema):
             return ["no json" if "verifier" in p else o for p, o in zip(prompts, super()._complete(prompts, max_tokens,
                                                                                                    schema))]
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=Junk(), tools=tools, max_turns=2)[0]
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=Junk(), tools=tools, max_turns=2)[0]
     assert fg.format_trajectory(st).count("VERIFIER: unparseable -> CONTINUE") == 1  # asked after turn 1 only
 
 
@@ -1950,7 +2584,7 @@ def test_solver_stops_at_max_turns_and_batches_in_lockstep():
         batches.append(len(prompts))
         return [plan_json()] * len(prompts)
 
-    states = fg.solve_batch(["a?", "b?", "c?"], planner=planner, fixed=RoleEngine(stop_after=99),
+    states = fg.solve_batch(["a?", "b?", "c?"], planner=planner, frozen=RoleEngine(stop_after=99),
                             tools={"Echo_Tool": EchoTool()}, max_turns=4)
     assert batches == [3, 3, 3, 3]  # one planner call per turn for all live trajectories
     assert all(len(st.turns) == 4 and "Step 4" in st.memory.to_text() for st in states)
@@ -1962,10 +2596,10 @@ def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
         def __call__(self, raw_args):
             time.sleep(30)
 
-    fixed = RoleEngine()
-    fixed.phase_timeout_s = 0.5
+    frozen = RoleEngine()
+    frozen.phase_timeout_s = 0.5
     t0 = time.perf_counter()
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), fixed=fixed, tools={"Echo_Tool": Stuck()},
+    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=frozen, tools={"Echo_Tool": Stuck()},
                         max_turns=1)[0]
     assert time.perf_counter() - t0 < 3 and "no result within 0.5 s" in st.turns[0].result["error"]
     assert st.turns[0].call["tool_name"] == "Echo_Tool" and st.stats["tool_error"] == 1  # a valid call, too slow
@@ -1988,7 +2622,7 @@ def counting_planner(prompt):
 
 def test_agent_counts_and_step_metrics():
     states = fg.solve_batch(["ok?", "bad?", "junk?", "nope?"], planner=lambda ps: [counting_planner(p) for p in ps],
-                            fixed=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
+                            frozen=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
     c = fg.agent_counts(states, {"Echo_Tool": None})
     assert (c["turns"], c["plans"], c["calls"], c["calls_valid"]) == (4, 3, 2, 1)
     assert (c["structured"], c["structured_valid"]) == (4 + 2 + 0, 6 - 1)  # analyses + calls (no verdict: 1 turn)
@@ -1998,155 +2632,16 @@ def test_agent_counts_and_step_metrics():
 
 
 def test_verifier_is_not_called_after_the_last_allowed_turn():
-    fixed = CountingRoleEngine(stop_after=99)
-    states = solve_identical(fixed, group=1, max_turns=2)
-    assert sum("verifier" in p for p in fixed.sent) == 1  # after turn 1 only: turn 2 ends the loop anyway
+    frozen = CountingRoleEngine(stop_after=99)
+    states = solve_identical(frozen, group=1, max_turns=2)
+    assert sum("verifier" in p for p in frozen.sent) == 1  # after turn 1 only: turn 2 ends the loop anyway
     assert states[0].turns[0].verdict is not None and states[0].turns[1].verdict is None
     assert len(states[0].turns) == 2 and states[0].final_output
 
 
 
 # ====================================================================================================
-# 8. Rollout with log-prob capture
-# ====================================================================================================
-
-def test_captured_and_recomputed_logprobs_agree(tiny):
-    """Behaviour log-probs (sampling loop, KV cache, left padding) == the update's batched recomputation."""
-    model, tok = tiny
-    torch.manual_seed(0)
-    prompts = rendered(tok, ["hi", "a much longer prompt so that rows are padded differently", "mid size one"])
-    samples = fg.sample_actions(model, tok, prompts, max_new_tokens=20, temperature=0.7)
-    again = fg.action_logprobs(model, [s.prompt_ids for s in samples], [s.action_ids for s in samples], temperature=0.7)
-    for s, lp in zip(samples, again):
-        assert len(s.logprobs) == len(s.action_ids) == len(lp) > 0
-        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
-    # the same, one row at a time: padding must not change anything
-    alone = fg.action_logprobs(model, [samples[0].prompt_ids], [samples[0].action_ids], temperature=0.7)[0]
-    assert torch.allclose(alone, again[0], atol=1e-4)
-    # and a wrong temperature must NOT agree (the test can fail)
-    wrong = fg.action_logprobs(model, [samples[1].prompt_ids], [samples[1].action_ids], temperature=1.0)[0]
-    assert not torch.allclose(wrong, samples[1].logprobs, atol=1e-3)
-
-
-def test_actions_end_at_the_first_stop_token_and_prompts_are_unpadded(tiny):
-    """Make a token that the model really sampled mid-action a stop token, sample again with the same seed:
-    the action must now end right after it, the stop token kept and nothing after it."""
-    model, tok = tiny
-    prompts = rendered(tok, ["x", "a longer prompt"] * 2)
-    torch.manual_seed(3)  # one row: when rows finish and leave the batch, the others' random draws shift
-    free = fg.sample_actions(model, tok, prompts[:1], max_new_tokens=30, temperature=1.0)
-    stop = int(free[0].action_ids[10])
-    cut = free[0].action_ids.tolist().index(stop) + 1  # its first occurrence
-    eos = tok.eos_token_id
-    model.generation_config.eos_token_id = [eos, stop]
-    try:
-        torch.manual_seed(3)
-        alone = fg.sample_actions(model, tok, prompts[:1], max_new_tokens=30, temperature=1.0)
-        stopped = fg.sample_actions(model, tok, prompts, max_new_tokens=30, temperature=1.0)
-    finally:
-        model.generation_config.eos_token_id = eos
-    assert alone[0].action_ids.tolist() == free[0].action_ids[:cut].tolist()
-    assert torch.equal(alone[0].logprobs, free[0].logprobs[:cut])
-    for s in stopped:
-        ids = s.action_ids.tolist()
-        ends = [i for i, t in enumerate(ids) if t in (eos, stop)]
-        assert not ends or ends[0] == len(ids) - 1  # nothing after the first stop token
-        assert s.prompt_ids[0].item() == tok.convert_tokens_to_ids("<|im_start|>")  # the left padding is gone
-
-
-def count_tokens(model):
-    """Tokens pushed through the model (prompt columns, padding included, and decode steps), via a hook."""
-    seen = []
-    handle = model.get_input_embeddings().register_forward_hook(lambda m, inp, out: seen.append(inp[0].numel()))
-    return seen, handle
-
-
-def test_shared_prefill_pushes_each_prompt_once_and_drops_finished_rows(tiny):
-    model, tok = tiny
-    prompt = fg.render_chat(tok, "a long planner prompt that every row of the group shares " * 12)
-    P = len(tok(prompt, add_special_tokens=False)["input_ids"])
-    seen, handle = count_tokens(model)
-    try:
-        for share in (True, False):
-            seen.clear()
-            torch.manual_seed(0)
-            samples = fg.sample_actions(model, tok, [prompt] * 8, max_new_tokens=6, temperature=1.0,
-                                        share_prefill=share)
-            # prefill, then one token per live row per step; a row's last token is never fed back
-            decoded = sum(len(s.action_ids) - 1 for s in samples)
-            assert sum(seen) == (1 if share else 8) * P + decoded
-            assert sum(seen) <= (2 if share else 9) * P
-    finally:
-        handle.remove()
-
-
-def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(tiny):
-    """Duplicates of prompts of different lengths, interleaved; a token the model samples often is made a stop
-    token, so rows end (and leave the batch) at different steps."""
-    model, tok = tiny
-    prompts = rendered(tok, ["hi", "a much longer prompt, padded differently", "hi", "mid size",
-                             "a much longer prompt, padded differently", "hi"])
-    torch.manual_seed(5)
-    free = fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7)
-    stop = Counter(t for s in free for t in s.action_ids.tolist()).most_common(1)[0][0]
-    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
-    try:
-        runs = []
-        for share in (True, False):
-            torch.manual_seed(5)
-            runs.append(fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0.7, share_prefill=share))
-    finally:
-        model.generation_config.eos_token_id = tok.eos_token_id
-    shared, unshared = runs
-    again = fg.action_logprobs(model, [s.prompt_ids for s in shared], [s.action_ids for s in shared], temperature=0.7)
-    for s, u, lp, p in zip(shared, unshared, again, prompts):
-        assert tok.decode(s.prompt_ids) == p and len(s.logprobs) == len(s.action_ids) == len(lp) > 0
-        assert torch.allclose(s.logprobs, lp, atol=1e-4), (s.logprobs - lp).abs().max()
-        assert torch.equal(s.action_ids, u.action_ids)  # same seed, same law: the same draws
-    assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
-
-
-def update_peak_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
-    """Peak RSS growth in MB of one forward+backward giving an action's log-probs at a real vocabulary size ('naive':
-    full-sequence logits and log-softmax; 'ours': fg.action_logprobs). Run it in a fresh process: peak RSS never
-    goes down, so a second measurement in the same process would see the first one's peak."""
-    def rss_mb(key: str) -> float:  # VmRSS now, VmHWM peak
-        return int(re.search(rf"{key}:\s*(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
-
-    model = fg.build_tiny_model()[0]
-    model.resize_token_embeddings(vocab, mean_resizing=False)
-    prompt, action = torch.randint(0, vocab, (prompt_len,)), torch.randint(0, vocab, (action_len,))
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): building the model does not count
-    base_mb = rss_mb("VmRSS")
-    if mode == "naive":
-        logp_LV = torch.log_softmax(model(input_ids=torch.cat([prompt, action])[None]).logits.float(), -1)[0]
-        logp_A = logp_LV[prompt_len - 1:-1].gather(-1, action[:, None]).squeeze(-1)
-    else:
-        logp_A = fg.action_logprobs(model, [prompt], [action], temperature=1.0)[0]
-    logp_A.sum().backward()
-    return rss_mb("VmHWM") - base_mb
-
-
-def test_action_logprobs_peaks_under_a_quarter_of_a_naive_log_softmax():
-    """The README's memory row (`python -m pytest -q -s -k naive_log_softmax`): a 4,096-token prompt, a 256-token
-    action, Qwen's 151,936-token vocabulary; each side in its own process (~8 GB for the naive one, ~25 s)."""
-    if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS: the memory bound went untested")
-    peak = {}
-    for mode in ("naive", "ours"):
-        probe = f"import test_flow_grpo as t; print(t.update_peak_mb({mode!r}))"
-        done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).parent, capture_output=True, text=True,
-                              timeout=300, check=True)
-        peak[mode] = float(done.stdout.split()[-1])
-    print(f"\nupdate memory: naive {peak['naive']:.0f} MB vs ours {peak['ours']:.0f} MB (4096-token prompt + 256-token "
-          f"action, 151,936-token vocabulary, forward+backward, peak RSS growth; "
-          f"{peak['ours'] / peak['naive']:.2f} of naive)")
-    assert peak["naive"] > 1000 and peak["ours"] < 0.25 * peak["naive"]
-
-
-
-# ====================================================================================================
-# 9. Judge reward
+# 13. Judge reward
 # ====================================================================================================
 
 @pytest.mark.parametrize("answer,truth,expected", [
@@ -2613,222 +3108,7 @@ def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypa
 
 
 # ====================================================================================================
-# 10. Group advantages
-# ====================================================================================================
-
-def test_group_advantages_edge_cases():
-    # one-member groups and non-contiguous ids: a single sample carries no comparison, so 0
-    adv = fg.group_advantages([1.0, 0.0, 1.0, 0.0], [7, 3, 3, 9])
-    assert adv[0] == 0 and adv[3] == 0 and adv[1] < 0 < adv[2]
-    # 'batch': the zero-variance group stays exactly 0 and the others are scaled by the batch std
-    batch = fg.group_advantages([1, 0, 1, 1], [0, 0, 1, 1], scale="batch")
-    assert batch[2] == 0 and batch[3] == 0 and batch[0] == -batch[1] > 0
-
-
-def test_group_advantages():
-    adv = fg.group_advantages([1, 0, 0, 0, 1, 1, 0.5, 0.5], [0, 0, 0, 0, 1, 1, 2, 2])
-    assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]), atol=1e-4)
-    none = fg.group_advantages([1, 0, 1, 1], [0, 0, 1, 1], scale="none")
-    assert torch.allclose(none, torch.tensor([0.5, -0.5, 0, 0]))
-    batch = fg.group_advantages([1, 0, 3, 1], [0, 0, 1, 1], scale="batch")
-    centred = torch.tensor([0.5, -0.5, 1.0, -1.0])
-    assert torch.allclose(batch, centred / torch.tensor([1.0, 0, 3, 1]).std(), atol=1e-4)  # TRL's: std of all rewards
-    assert fg.zero_std_frac([1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(2 / 3)
-
-
-def test_ids_of_any_hashable_type_and_the_five_tensor_call():
-    r = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
-    ints, strs = [0, 0, 1, 1, 2, 2], ["q1", "q1", "q2", "q2", "q3", "q3"]
-    assert torch.equal(fg.group_advantages(r, strs), fg.group_advantages(r, ints))
-    assert torch.equal(fg.group_advantages(r, torch.tensor(ints)), fg.group_advantages(r, ints))
-    assert fg.zero_std_frac(r, strs) == fg.zero_std_frac(r, ints) == pytest.approx(1 / 3)
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(fg.aggregation_weights(mask, "turn", ["a", "a", "b"]), fg.aggregation_weights(mask, "turn", [5, 5, 9]))
-    g = torch.Generator().manual_seed(0)
-    logp, old, ref = (-torch.rand(3, 3, generator=g) for _ in range(3))
-    adv = torch.tensor([1.0, -1.0, 0.5])
-    five, _ = fg.grpo_loss(logp, old, ref, adv, mask)  # agg='turn' without traj_ids: each row its own trajectory
-    assert five.item() == pytest.approx(fg.grpo_loss(logp, old, ref, adv, mask, agg="seq-mean-token-mean")[0].item())
-    with pytest.raises(ValueError):
-        fg.group_advantages(r, ints, scale="grouped")
-
-
-def test_batch_scale_is_trls_std_of_all_rewards():
-    # one informative group of 16 among zero-variance ones: centred / std(ALL rewards), as TRL's scale_rewards='batch'
-    r = torch.tensor([1.0] * 4 + [0.0] * 12 + [1.0] * 16 + [0.0] * 16)
-    ids = [i // 16 for i in range(len(r))]
-    centred = r - r.view(-1, 16).mean(1).repeat_interleave(16)
-    assert torch.allclose(fg.group_advantages(r, ids, scale="batch"), centred / (r.std() + 1e-6), atol=1e-6)
-
-
-
-# ====================================================================================================
-# 11. The clipped-ratio loss
-# ====================================================================================================
-
-def test_grpo_loss_matches_hand_computation_for_each_aggregation():
-    g = torch.Generator().manual_seed(0)
-    logp = -torch.rand(3, 4, generator=g)
-    old = logp + 0.3 * torch.randn(3, 4, generator=g)
-    ref = logp + 0.2 * torch.randn(3, 4, generator=g)
-    adv = torch.tensor([1.0, -0.5, 2.0])
-    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
-    traj = [0, 0, 1]  # rows 0 and 1 are two turns of trajectory 0
-    lo, hi, beta = 0.2, 0.3, 0.1
-    per = [[None] * 4 for _ in range(3)]
-    for b in range(3):
-        for t in range(4):
-            r = math.exp(logp[b, t] - old[b, t])
-            pg = -min(r * adv[b], min(max(r, 1 - lo), 1 + hi) * adv[b])
-            d = float(ref[b, t] - logp[b, t])
-            per[b][t] = float(pg) + beta * (math.exp(d) - d - 1)
-    lens = [2, 4, 1]
-    rowmean = [sum(per[b][:lens[b]]) / lens[b] for b in range(3)]
-    expected = {
-        "turn": ((rowmean[0] + rowmean[1]) / 2 + rowmean[2]) / 2,  # 1/N_traj sum_i 1/T_i sum_t rowmean
-        "token-mean": sum(sum(per[b][:lens[b]]) for b in range(3)) / 7,
-        "seq-mean-token-mean": sum(rowmean) / 3,
-    }
-    for agg, want in expected.items():
-        loss, stats = fg.grpo_loss(logp, old, ref, adv, mask, clip_low=lo, clip_high=hi, kl_coef=beta, agg=agg,
-                                   traj_ids=traj)
-        assert loss.item() == pytest.approx(want, rel=1e-5), agg
-    assert 0 < stats["clip_frac"] < 1 and stats["kl"] > 0
-
-
-@pytest.mark.parametrize("log_ratio,adv,flows", [
-    (0.5, +1.0, False),   # rho = 1.65 > 1 + 0.3, A > 0: already pushed up enough -> clipped, no gradient
-    (0.5, -1.0, True),    # rho high, A < 0: the unclipped term is the min -> gradient flows (undo it)
-    (-0.5, +1.0, True),   # rho = 0.61 < 1 - 0.2, A > 0: gradient flows (raise it again)
-    (-0.5, -1.0, False),  # rho low, A < 0: already pushed down enough -> clipped, no gradient
-])
-def test_clipping_cases(log_ratio, adv, flows):
-    logp = torch.tensor([[-1.0]], requires_grad=True)
-    old = torch.tensor([[-1.0 - log_ratio]])
-    loss, stats = fg.grpo_loss(logp, old, logp.detach(), torch.tensor([adv]), torch.ones(1, 1, dtype=torch.bool),
-                               clip_low=0.2, clip_high=0.3, kl_coef=0.0, agg="token-mean")
-    loss.backward()
-    assert (logp.grad.abs().item() > 0) == flows
-    assert stats["clip_frac"] == (0.0 if flows else 1.0)
-    if flows:  # and the gradient descends in the direction that helps: d loss/d logp = -A * rho
-        assert logp.grad.item() == pytest.approx(-adv * math.exp(log_ratio), rel=1e-5)
-
-
-def test_masked_positions_do_not_change_loss_or_gradient():
-    g = torch.Generator().manual_seed(1)
-    logp = (-torch.rand(2, 5, generator=g)).requires_grad_()
-    old, ref = logp.detach() + 0.1, logp.detach() - 0.1
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    args = dict(clip_low=0.2, clip_high=0.3, kl_coef=0.05, agg="turn", traj_ids=[0, 1])
-    loss1, _ = fg.grpo_loss(logp, old, ref, torch.tensor([1.0, -1.0]), mask, **args)
-    (grad1,) = torch.autograd.grad(loss1, logp)
-    for junk in ((float("-inf"), 1e4), (float("nan"), float("nan"))):  # garbage where the mask is 0 (NaN: past clamps)
-        junk_old, junk_ref = old.clone(), ref.clone()
-        junk_old[0, 3:], junk_ref[0, 3:] = junk
-        loss2, _ = fg.grpo_loss(logp, junk_old, junk_ref, torch.tensor([1.0, -1.0]), mask, **args)
-        (grad2,) = torch.autograd.grad(loss2, logp)
-        assert torch.isfinite(loss2) and loss2.item() == pytest.approx(loss1.item(), rel=1e-6), junk
-        assert torch.equal(grad1, grad2) and torch.all(grad1[0, 3:] == 0), junk
-
-
-# ---- the loss: verl's dual clip and guards; AgentFlow's objective; any hashable ids
-
-def one_token_loss(log_ratio, adv, **kw):
-    logp = torch.tensor([[-1.0]], requires_grad=True)
-    loss, stats = fg.grpo_loss(logp, logp.detach() - log_ratio, logp.detach(), torch.tensor([adv]),
-                               torch.ones(1, 1, dtype=torch.bool), kl_coef=0.0, agg="token-mean", **kw)
-    (grad,) = torch.autograd.grad(loss, logp)
-    return loss.item(), grad.item(), stats
-
-
-def test_dual_clip_caps_the_loss_of_negative_advantages():
-    assert fg.grpo_loss.__kwdefaults__["clip_ratio_c"] == 3.0 == fg.Config.clip_ratio_c  # AgentFlow's (verl's)
-    loss, grad, stats = one_token_loss(math.log(5.0), -2.0)  # rho = 5 > c = 3, A < 0: loss capped at -c*A = 6
-    assert loss == pytest.approx(6.0) and grad == 0.0 and stats["dual_clip_frac"] == 1.0
-    loss, grad, stats = one_token_loss(math.log(5.0), -2.0, clip_ratio_c=None)  # off: -rho*A = 10, gradient flows
-    assert loss == pytest.approx(10.0) and grad == pytest.approx(10.0) and stats["dual_clip_frac"] == 0.0
-    loss, grad, _ = one_token_loss(math.log(2.0), -2.0)  # rho = 2 < c: untouched
-    assert loss == pytest.approx(4.0) and grad == pytest.approx(4.0)
-    assert fg.parse_config(["--clip-ratio-c", "0"]).clip_ratio_c == 0  # 0 = off on the command line
-    with pytest.raises(SystemExit):
-        fg.parse_config(["--clip-ratio-c", "0.5"])
-
-
-def test_extreme_log_ratios_and_kl_stay_finite_and_bounded():
-    for adv in (1.0, -1.0):
-        for c in (3.0, None):
-            loss, grad, _ = one_token_loss(100.0, adv, clip_ratio_c=c)  # exp(100) overflows float32
-            assert math.isfinite(loss) and math.isfinite(grad), (adv, c)
-    logp = torch.tensor([[-60.0, -1.0]], requires_grad=True)
-    ref = torch.tensor([[-1.0, -1.0]])  # ref - logp = 59: unclamped k3 would be ~4e25
-    loss, stats = fg.grpo_loss(logp, logp.detach(), ref, torch.tensor([0.0]), torch.ones(1, 2, dtype=torch.bool),
-                               kl_coef=0.1, agg="token-mean")
-    loss.backward()
-    assert 0 < loss.item() <= 0.1 * 10 and stats["kl"] <= 10 and torch.isfinite(logp.grad).all()
-
-
-def verl_grpo_outcome_advantage(scores, index, eps=1e-6):
-    """Transcribed from the shape of verl's compute_grpo_outcome_advantage: one score per row, grouped by uid."""
-    by_uid = {}
-    for s, uid in zip(scores, index):
-        by_uid.setdefault(uid, []).append(s)
-    stats = {uid: (torch.tensor(0.0), torch.tensor(1.0)) if len(v) == 1 else
-             (torch.mean(torch.tensor(v)), torch.std(torch.tensor([v]))) for uid, v in by_uid.items()}
-    return torch.stack([(torch.tensor(s) - stats[u][0]) / (stats[u][1] + eps) for s, u in zip(scores, index)])
-
-
-def verl_actor_loss(old, logp, ref, adv_BT, mask, lo, hi, c, kl_coef):
-    """verl's compute_policy_loss (vanilla, dual clip) + agg_loss('token-mean') + low_var_kl KL loss."""
-    def masked_mean(x):
-        return (x * mask).sum() / mask.sum()
-    neg_kl = torch.clamp(logp - old, min=-20.0, max=20.0)
-    ratio = torch.exp(neg_kl)
-    pg_losses1 = -adv_BT * ratio
-    pg_losses2 = -adv_BT * torch.clamp(ratio, 1 - lo, 1 + hi)
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    clip_pg_losses2 = torch.min(-adv_BT * c, clip_pg_losses1)
-    pg_losses = torch.where(adv_BT < 0, clip_pg_losses2, clip_pg_losses1)
-    kl = torch.clamp(ref - logp, min=-20, max=20)
-    kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
-    return masked_mean(pg_losses) + kl_coef * masked_mean(kld)
-
-
-def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objective():
-    g = torch.Generator().manual_seed(3)
-    B, G = 3, 4
-    rewards = [float(x) for x in torch.randint(0, 2, (B * G,), generator=g)] + [1.0] * G  # + a zero-variance group
-    turns = torch.randint(1, 5, (len(rewards),), generator=g).tolist()
-    group_ids = [f"q{i // G}" for i in range(len(rewards))]  # string ids
-    turn = fg.Turn(plan_text="", plan=None, call=None, result=None, planner_output=fg.Sample(*[torch.zeros(1)] * 3, ""))
-    states = [fg.AgentState(question="q", memory=fg.Memory(), turns=[turn] * t) for t in turns]
-    rows = fg.build_rows(states, rewards, group_ids, "group", unit="turn")
-    assert [r.traj_id for r in rows] == [i for i, t in enumerate(turns) for _ in range(t)]
-    lens = torch.randint(1, 7, (len(rows),), generator=g)
-    mask = torch.arange(6)[None, :] < lens[:, None]
-    logp = (-2 * torch.rand(len(rows), 6, generator=g)).requires_grad_()
-    old = logp.detach() + 1.5 * torch.randn(len(rows), 6, generator=g)  # big moves: both clips and the dual clip
-    ref = logp.detach() + 0.5 * torch.randn(len(rows), 6, generator=g)
-    adv_R = torch.tensor([r.advantage for r in rows])
-    ours, stats = fg.grpo_loss(logp, old, ref, adv_R, mask, clip_low=0.2, clip_high=0.3, clip_ratio_c=3.0,
-                               kl_coef=0.01, agg="token-mean")
-    (grad_ours,) = torch.autograd.grad(ours, logp)
-    verl_adv = verl_grpo_outcome_advantage([rewards[r.traj_id] for r in rows], [group_ids[r.traj_id] for r in rows])
-    theirs = verl_actor_loss(old, logp, ref, verl_adv[:, None] * mask, mask, 0.2, 0.3, 3.0, 0.01)
-    (grad_theirs,) = torch.autograd.grad(theirs, logp)
-    assert stats["dual_clip_frac"] > 0 and stats["clip_frac"] > 0
-    assert torch.allclose(adv_R, verl_adv, atol=1e-6)
-    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
-    assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
-    per_traj = fg.group_advantages(rewards, [i // G for i in range(len(rewards))])  # the paper's unit differs
-    assert not torch.allclose(adv_R, torch.tensor([float(per_traj[r.traj_id]) for r in rows]), atol=1e-2)
-    assert fg.parse_config(["--adv-unit", "turn"]).adv_unit == "turn"
-    with pytest.raises(SystemExit):
-        fg.parse_config(["--adv-unit", "token"])
-
-
-
-# ====================================================================================================
-# 12. Training: update, checkpoints, resume, data, SFT
+# 14. Training: checkpoints, resume, data, SFT
 # ====================================================================================================
 
 def test_smoke_sample_data_never_overwrites_user_files(tmp_path, monkeypatch):
@@ -2839,281 +3119,6 @@ def test_smoke_sample_data_never_overwrites_user_files(tmp_path, monkeypatch):
     assert user.read_bytes() == b"my data" and not (tmp_path / "gone.parquet").exists()
     fg.ensure_sample_data(fg.parse_config(["--preset", "smoke"]))  # the preset's own paths: written
     assert (tmp_path / fg.PRESETS["smoke"]["train_file"]).exists() and (tmp_path / fg.PRESETS["smoke"]["val_file"]).exists()
-
-
-def test_ratio_is_one_before_the_first_update(tiny):
-    model, tok = tiny
-    torch.manual_seed(0)
-    samples = fg.sample_actions(model, tok, rendered(tok, ["q1", "q2 longer"] * 2), max_new_tokens=12, temperature=0.7)
-    rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5])
-    for mode in ("captured", "recompute"):
-        cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=3, old_logprobs=mode)
-        if mode == "recompute":  # other chunks than the update's (2 vs 3 rows): padding must not matter
-            fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=2, attr="old_logp")
-            assert all(torch.allclose(r.old_logp, r.logprobs, atol=1e-4) for r in rows)
-        else:  # the sampler's own log-probs against the update's forward pass: the real test
-            for r in rows:
-                r.old_logp = r.logprobs
-        fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="ref_logp", base=True)
-        model.zero_grad()
-        _, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
-        assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and stats["clip_frac"] == 0.0, mode
-        assert stats["kl"] > 0  # the adapter is non-trivial: policy != base
-    model.zero_grad()
-
-
-def test_fill_old_and_ref_picks_pi_old_per_mode_and_later_passes_really_clip():
-    model, tok = fresh_tiny()  # (its own: this test updates the weights)
-    torch.manual_seed(0)
-    samples = fg.sample_actions(model, tok, rendered(tok, ["q1", "q2 longer"] * 2), max_new_tokens=8, temperature=0.7)
-
-    def filled(**flags):
-        cfg = fg.Config(model="tiny", temperature=0.7, micro_batch_size=2, **flags)
-        rows = make_rows(samples, [1.0, -1.0, 0.5, -0.5])
-        fg.fill_old_and_ref(model, rows, cfg, step=1)
-        return cfg, rows
-
-    _, rows = filled(old_logprobs="captured")
-    assert all(r.old_logp is r.logprobs and r.ref_logp is not None for r in rows)
-    _, rows = filled(old_logprobs="recompute")  # one pass: the update's own forward is pi_old, no extra pass
-    assert all(r.old_logp is None and r.ref_logp is not None for r in rows)
-    _, rows = filled(old_logprobs="recompute", kl_coef=0.0)  # no KL term: no pi_ref pass
-    assert all(r.ref_logp is None for r in rows)
-    for flags in (dict(num_minibatches=2), dict(ppo_epochs=3)):  # several passes: pi_old = the sampling policy, fixed
-        cfg, rows = filled(old_logprobs="recompute", **flags)
-        assert all(torch.allclose(r.old_logp, r.logprobs, atol=1e-4) for r in rows), flags
-    # ... and that fixed pi_old is what lets the later epochs clip: with old_logp left None every ratio would be 1
-    stats = fg.update_policy(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05),
-                             rows, cfg, step=1)
-    assert stats["clip_frac"] > 0 and abs(stats["ratio_mean"] - 1) > 1e-3, stats
-
-
-def test_bf16_pi_old_and_pi_ref_come_from_the_updates_own_micro_batches(capsys):
-    """In bf16 a row's log-probs move with its batch-mates (padding, kernels). pi_old and pi_ref are computed in the
-    first pass's own micro-batches, so with lr = 0 (the weights never move) every ratio is exactly 1 and the KL to a
-    still-zero adapter exactly 0 (chunks in row order: ratio_mean 1.00008, KL 1.4e-7)."""
-    cfg = fg.Config(model="tiny", device="cpu", dtype="bfloat16", lora_r=4, lora_alpha=8, temperature=0.7,
-                    num_minibatches=2, micro_batch_size=2, kl_coef=0.1, old_logprobs="captured")
-    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
-    assert "captured in bf16" in capsys.readouterr().err  # the sampler's cached decoding is not the update's forward
-    dtypes = {k: p.dtype for n, p in model.named_parameters() if "layers.0.self_attn.q_proj" in n
-              for k in ("base_layer", "lora_A", "lora_B") if k in n}
-    assert dtypes == {"base_layer": torch.bfloat16, "lora_A": torch.float32, "lora_B": torch.float32}
-    torch.manual_seed(0)
-    prompts = rendered(tok, ["q", "a longer question here", "mid one", "x y z w v u t s r q p o n m"] * 2)
-    samples = fg.sample_actions(model, tok, prompts, max_new_tokens=12, temperature=0.7)
-    assert len({len(s.prompt_ids) + len(s.action_ids) for s in samples}) > 3  # ragged: padding differs per chunk
-    rows = make_rows(samples, [1.0, -1.0] * 4)
-    cfg = dataclasses.replace(cfg, old_logprobs="recompute")
-    fg.fill_old_and_ref(model, rows, cfg, step=1)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    stats = fg.update_policy(model, optimizer, rows, cfg, step=1)
-    assert (stats["ratio_mean"], stats["clip_frac"], stats["kl"]) == (1.0, 0.0, 0.0), stats
-
-
-def test_dtype_rounds_the_weights_not_the_rope_frequencies(tmp_path):
-    """--dtype bfloat16: weights in bf16, RoPE's inv_freq left in float32 as from_pretrained leaves it (a model.to(
-    dtype) rounded it too: for Qwen2.5 an angle off by 2.3 rad at position 2000). The tiny model and a folder alike."""
-    model, tok = fg.build_tiny_model(0)
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    for name in ("tiny", str(tmp_path)):
-        loaded, _ = fg.load_policy(fg.Config(model=name, dtype="bfloat16"), "cpu", trainable=False)
-        buffers = {n.split(".")[-1]: b.dtype for n, b in loaded.named_buffers()}
-        assert buffers["inv_freq"] == torch.float32 and loaded.model.embed_tokens.weight.dtype == torch.bfloat16, name
-
-
-def test_gradient_checkpointing_saves_memory_not_gradient():
-    """--gradient-checkpointing recomputes activations in the backward: the LoRA gradient must not change."""
-    grads = []
-    for on in (False, True):
-        torch.manual_seed(0)
-        model, tok = fg.load_policy(fg.Config(model="tiny", lora_r=4, gradient_checkpointing=on), "cpu", trainable=True)
-        model.train()
-        assert model.is_activation_checkpointing == on
-        prompt, action = tok(["Task: 12 squared", "144<|im_end|>"], add_special_tokens=False)["input_ids"]
-        fg.action_logprobs(model, [torch.tensor(prompt)], [torch.tensor(action)], temperature=1.0)[0].sum().backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
-    assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
-
-
-def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
-    """With ppo_epochs == num_minibatches == 1 the trainer skips the pi_old pass (old_logp=None: the update's
-    own detached log-probs) and the ref pass when kl_coef == 0. Same loss and gradient as computing them."""
-    model, tok = tiny
-    torch.manual_seed(4)
-    samples = fg.sample_actions(model, tok, rendered(tok, ["a", "bb", "ccc"]), max_new_tokens=8, temperature=1.0)
-    for kl_coef in (0.0, 0.1):
-        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2, kl_coef=kl_coef)
-        results = []
-        for explicit in (True, False):
-            rows = make_rows(samples, [1.0, -0.5, 0.25])
-            if explicit:
-                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="old_logp")
-            if explicit or kl_coef > 0:
-                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="ref_logp", base=True)
-            model.zero_grad()
-            loss, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
-            results.append((loss, stats, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])))
-        model.zero_grad()
-        (l1, s1, g1), (l2, s2, g2) = results
-        assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-7) and s2["ratio_mean"] == 1.0
-        assert g1.abs().sum() > 0 and torch.allclose(g1, g2, rtol=1e-4, atol=1e-7)
-
-
-@pytest.mark.parametrize("agg", fg.AGGREGATIONS)
-def test_gradient_accumulation_equals_one_big_batch(tiny, agg):
-    model, tok = tiny
-    torch.manual_seed(1)
-    samples = fg.sample_actions(model, tok, rendered(tok, ["a", "bb", "ccc", "dddd", "e", "ff"]), max_new_tokens=10,
-                                temperature=1.0)
-    rows = make_rows(samples, [1.0, -1.0, 0.3, -0.3, 2.0, -2.0])
-    for r, t in zip(rows, [0, 0, 1, 1, 1, 2]):  # uneven turns per trajectory, so 'turn' weighting matters
-        r.traj_id = t
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="old_logp")
-    for r in rows:  # make ratios != 1 so the clip is exercised too
-        r.old_logp = r.old_logp + 0.3 * torch.randn(len(r.old_logp))
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="ref_logp", base=True)
-    grads = {}
-    for micro in (6, 4, 1):
-        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=micro, agg=agg, kl_coef=0.1)
-        model.zero_grad()
-        loss, _ = fg.minibatch_loss_and_backward(model, rows, cfg)
-        grads[micro] = (loss, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
-    model.zero_grad()
-    full_loss, full = grads[6]
-    assert full.abs().sum() > 0
-    for micro in (4, 1):
-        assert grads[micro][0] == pytest.approx(full_loss, rel=1e-4, abs=1e-6)  # float32 sums, other padding
-        assert torch.allclose(grads[micro][1], full, rtol=1e-4, atol=1e-7), micro
-
-
-def test_one_update_changes_lora_and_not_base():
-    cfg = fg.Config(model="tiny", device="cpu", lr=1e-2, warmup_steps=0, micro_batch_size=4, temperature=1.0)
-    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
-    opt, _ = fg.make_optimizer(model, cfg)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.manual_seed(0)
-    samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 4), max_new_tokens=8, temperature=1.0)
-    rows = make_rows(samples, [1.0, -1.0, 1.0, -1.0])
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="old_logp")
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="ref_logp", base=True)
-    stats = fg.update_policy(model, opt, rows, cfg, step=1)
-    assert stats["skipped_updates"] == 0
-    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
-    assert changed and all("lora_" in n for n in changed)
-    assert any("lora_B" in n for n in changed)
-
-
-def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner_or_the_update(monkeypatch):
-    """A tool thread abandoned at a phase deadline may call the frozen engine (adapter off) at any later time. Here
-    one such call is in flight while the planner samples, another while the update runs: the samples must be the
-    policy's (ratio 1 against the captured log-probs) and the update must train LoRA (adapter off: no gradient)."""
-    cfg = fg.Config(model="tiny", device="cpu", batch_size=1, group_size=4, max_new_tokens=6, temperature=1.0,
-                    kl_coef=0.0, old_logprobs="captured", lora_r=4, lora_alpha=8)
-    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
-    with torch.no_grad():  # a trained-looking adapter: on and off give different log-probs
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    fixed, inside, generate = fg.LocalEngine(model, tok, max_tokens=2), threading.Event(), model.generate
-
-    def slow_generate(*args, **kwargs):  # LocalEngine has switched the adapter off by now; it stays off for 1 s
-        inside.set()
-        time.sleep(1.0)
-        return generate(*args, **kwargs)
-
-    def late_call():  # a frozen-role call from another thread; returns once that call is inside generate()
-        inside.clear()
-        threading.Thread(target=fixed.ask, args=("a late question",), daemon=True).start()
-        assert inside.wait(10)
-
-    def solve(questions, *, planner, **kw):
-        late_call()
-        samples = planner([f"plan for {q}" for q in questions])
-        late_call()  # still in flight when train_step updates
-        return [fg.AgentState(question=q, memory=fg.Memory(), final_output="<answer>1</answer>", turns=[
-            fg.Turn(plan_text=s.text, plan=None, call=None, result=None, planner_output=s)])
-            for q, s in zip(questions, samples)]
-
-    monkeypatch.setattr(model, "generate", slow_generate)
-    monkeypatch.setattr(fg, "solve_batch", solve)
-    seen = {}
-
-    def judge_rewards(questions, answers, truths, engine, sources):  # told each row's source: NQ's "; " joins aliases
-        seen["sources"] = sources
-        return [float(i % 2) for i in range(len(questions))], 0
-
-    monkeypatch.setattr(fg, "judge_rewards", judge_rewards)
-    opt, sched = fg.make_optimizer(model, cfg)
-    batch = [{"question": "q", "answer": "1", "source": "nq"}]
-    m, _, _ = fg.train_step(model, tok, opt, sched, batch, fixed, None, {}, cfg, 1)
-    assert seen["sources"] == ["nq"] * cfg.group_size
-    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["grad_norm"] > 0 and m["skipped_updates"] == 0
-
-
-def test_pad_right_masks_by_length_not_by_value():
-    out_BA, mask_BA = fg.pad_right([torch.tensor([1, 0, 2]), torch.tensor([0]), torch.tensor([], dtype=torch.long)])
-    assert out_BA.tolist() == [[1, 0, 2], [0, 0, 0], [0, 0, 0]]  # a real 0 (a pad id, a log-prob of 0) stays unmasked
-    assert mask_BA.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
-
-
-@pytest.mark.parametrize("case", ["nan_loss", "inf_gradient"])
-def test_non_finite_loss_or_gradient_skips_the_update(case, monkeypatch):
-    model, tok = fresh_tiny()  # (its own: a guard that failed would wreck the weights with lr = 1)
-    cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=2)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1.0)
-    samples = fg.sample_actions(model, tok, rendered(tok, ["q", "r"]), max_new_tokens=4, temperature=1.0)
-    rows = make_rows(samples, [float("nan") if case == "nan_loss" else -1.0, 1.0])
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="old_logp")
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="ref_logp", base=True)
-    if case == "nan_loss":  # refused before backward(), not only by the gradient check after it
-        assert fg.minibatch_loss_and_backward(model, rows, cfg) == (None, {})
-    else:  # a finite loss whose gradient overflowed
-        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf")))
-    before = [p.detach().clone() for p in params]
-    stats = fg.update_policy(model, opt, rows, cfg, step=1)
-    assert stats["skipped_updates"] == 1
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, params))
-
-
-def test_minibatches_keep_trajectories_whole_and_step_once_each(tiny, monkeypatch):
-    model, tok = tiny
-    samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 8), max_new_tokens=3, temperature=1.0)
-    rows = make_rows(samples, [1.0, -1.0] * 4)
-    for r, traj in zip(rows, [0, 0, 1, 1, 2, 3, 3, 3]):  # trajectories with 1-3 turns
-        r.traj_id = traj
-        r.old_logp = r.ref_logp = r.logprobs
-    seen = []
-    monkeypatch.setattr(fg, "minibatch_loss_and_backward",
-                        lambda m, mb, cfg: (seen.append(sorted(r.traj_id for r in mb)), (0.0, {}))[1])
-
-    class CountingOpt:
-        steps = 0
-        def zero_grad(self, set_to_none=True): pass
-        def step(self): CountingOpt.steps += 1
-
-    cfg = fg.Config(model="tiny", num_minibatches=2, ppo_epochs=3)
-    fg.update_policy(model, CountingOpt(), rows, cfg, step=1)
-    assert CountingOpt.steps == 6 and len(seen) == 6  # ppo_epochs x num_minibatches optimizer steps
-    turns = Counter(r.traj_id for r in rows)
-    for mb in seen:  # every trajectory in a minibatch brings ALL its turns
-        assert all(mb.count(t) == turns[t] for t in set(mb))
-    for e in range(3):  # and each epoch covers every row exactly once
-        assert sorted(seen[2 * e] + seen[2 * e + 1]) == sorted(r.traj_id for r in rows)
-
-
-def test_lr_schedule_warms_up_then_decays_to_a_tenth():
-    cfg = fg.Config(model="tiny", lr=1.0, warmup_steps=2, max_steps=10)
-    opt, sched = fg.make_optimizer(torch.nn.Linear(1, 1), cfg)
-    lrs = []
-    for _ in range(cfg.max_steps):
-        lrs.append(sched.get_last_lr()[0])
-        sched.step()
-    assert lrs[0] < lrs[1] < lrs[2] == pytest.approx(1.0)  # linear warmup
-    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # then monotone cosine decay
-    assert lrs[-1] == pytest.approx(0.1)  # reaching the 10% floor on the last step
 
 
 def test_resume_with_more_steps_follows_the_new_schedule_from_its_first_step(tmp_path):
@@ -3273,6 +3278,7 @@ def test_sft_loss_is_the_hand_computed_cross_entropy_of_action_tokens_only(tiny)
 
 
 def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch):
+    torch.manual_seed(0)  # the LoRA init: not whatever state the tests before this one left
     cfg = fg.Config(model="tiny", device="cpu", batch_size=3, group_size=2, micro_batch_size=4, sft_steps=6,
                     sft_lr=1e-2, max_turns=2, tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                     lora_targets=fg.Config.lora_targets + ",lm_head")  # a 64-wide random model needs its head
@@ -3288,7 +3294,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
     turn1 = []
     fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps: turn1.extend(ps) or ["x"] * len(ps),
-                   fixed=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
+                   frozen=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
     assert [tok.decode(p) for p in prompts[:6]] == [fg.render_chat(tok, p) for p in turn1[:6]]
     # ... and every step pairs each question with every tool once: the demonstrations teach the format, not a choice.
     for step in range(6):
@@ -3308,7 +3314,7 @@ def test_no_analysis_skips_the_analyst_and_leaves_its_notes_out_of_the_prompts()
         tools = {"Echo": EchoTool()}
         fg.solve_batch(["What is 12 squared?"], planner=lambda ps: seen.extend(ps) or
                        ['{"sub_goal": "square 12", "tool_name": "Echo"}'] * len(ps),
-                       fixed=engine, tools=tools, max_turns=2, analysis=analysis)
+                       frozen=engine, tools=tools, max_turns=2, analysis=analysis)
         analysts = [p for p in engine.prompts if "analyst" in p]
         notes = [p for p in seen + engine.prompts if "Query analysis:" in p]
         assert (len(analysts), len(notes) > 0) == ((1, True) if analysis else (0, False))
@@ -3420,7 +3426,7 @@ def test_resume_refuses_a_training_file_rebuilt_with_other_rows(tmp_path, monkey
     monkeypatch.undo()
     monkeypatch.setattr(fg, "build_system", loads)
     ckpt = fake_checkpoint(tmp_path / "run", 2, cfg)
-    (ckpt / "config.json").write_text(json.dumps(fg.run_record(cfg, seen["data"])))
+    (ckpt / "config.json").write_text(json.dumps(fg.run_settings(cfg, seen["data"])))
     with pytest.raises(RuntimeError, match="would load"):
         fg.train(cfg)  # the same rows: resumed
     prepare_data.write_dataset(train[:10], tmp_path / "train.parquet")  # same path, other rows
@@ -3469,7 +3475,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_p
 
 
 # ====================================================================================================
-# 13. Evaluation and the command line
+# 15. Evaluation and the command line
 # ====================================================================================================
 
 def test_no_cuda_means_one_clear_line(tmp_path):
@@ -3516,9 +3522,9 @@ def test_benchmark_modes_sample_one_policy_its_timed_update_leaves_the_weights(t
     """The lockstep mode's update is timed, not applied (lr 0): else the unshared and sequential modes would sample
     another planner than the one they are compared with."""
     cfg = smoke_cfg(tmp_path, sample_data, max_turns=1, tools="Generalist_Solution_Generator_Tool")
-    model, tokenizer, fixed, tools, _ = fg.build_system(cfg, "cpu", trainable=True)
+    model, tokenizer, frozen, tools, _ = fg.build_system(cfg, "cpu", trainable=True)
     before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    fg._time_rollouts(cfg, model, tokenizer, ["What is 2 + 2?"], 4, fixed, tools)
+    fg._time_rollouts(cfg, model, tokenizer, ["What is 2 + 2?"], 4, frozen, tools)
     assert "rollout speedup:" in capsys.readouterr().out
     assert all(torch.equal(before[k], v) for k, v in model.named_parameters() if v.requires_grad)
 
@@ -4059,7 +4065,7 @@ def test_dynamic_sampling_keeps_groups_with_variance_and_bounds_the_tries(monkey
     flat = {"q0", "q1", "q2", "q3", "q4", "q5", "q6"}  # these questions give equal rewards in their group
     calls = []
 
-    def fake(model, tok, batch, fixed, judge, tools, cfg, timings):
+    def fake(model, tok, batch, frozen, judge, tools, cfg, timings):
         calls.append([b["question"] for b in batch])
         states = [fg.AgentState(question=b["question"], memory=fg.Memory()) for b in batch for _ in range(2)]
         rewards = [0.0 if st.question in flat else float(i % 2) for i, st in enumerate(states)]
@@ -4103,8 +4109,6 @@ def test_eval_every_writes_held_out_accuracy_per_kind_and_plot_shows_it(tmp_path
     held = out.index(next(line for line in out if "held-out" in line))
     assert out[held].split() == ["step", "held-out", "arithmetic", "compound", "lookup"]
     assert out[held + 1].split() == ["0", "0.50", "1.00", "0.00", "0.00"]
-
-
 
 
 def test_no_tool_tips_leaves_limitations_and_tips_out_of_every_description():
