@@ -38,7 +38,7 @@ WHERE THE ALGORITHM IS. Sections 3 to 6, right after the config, are Flow-GRPO i
   L columns (prompt and action tokens); in sample_actions U distinct prompts and R the rows still decoding.
 
 SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance:
---sft-steps N first fits format-only plans with a random tool (cross-entropy); GRPO then learns WHICH tool from reward.
+--sft-steps N first fits format-only plans, each question with every tool (cross-entropy); GRPO then learns WHICH.
 
 HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
     python prepare_data.py && python flow_grpo.py   # fetch the data; train Qwen2.5-1.5B-Instruct's planner on one GPU
@@ -63,7 +63,7 @@ DELIBERATE SIMPLIFICATIONS (and why)
 
 from __future__ import annotations
 
-import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, http.server, importlib.util
+import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, importlib.util
 import inspect, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
 import textwrap, threading, time, unicodedata, urllib.parse, warnings
 from collections import Counter
@@ -98,7 +98,7 @@ class Config:
     # --- what to do (default: train) ---
     ask: str = option("", "run the agent once on this question and print the whole trajectory")
     eval: bool = option(False, "evaluate the planner greedily on --val-file and print accuracy")
-    benchmark: bool = option(False, "time lockstep vs one-at-a-time rollouts, the sampling loop, remote concurrency")
+    benchmark: bool = option(False, "time lockstep vs one-at-a-time rollouts and the sampling loop")
     learning_curve: bool = option(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
     preset: str = option("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on arithmetic (CPU, offline)")
     plot: bool = option(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
@@ -164,7 +164,7 @@ class Config:
     lora_alpha: int = option(32, "LoRA alpha (scale = alpha / r)")
     lora_dropout: float = option(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
     lora_targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
-    sft_steps: int = option(0, "SFT warm start: steps on format-only plans (tool drawn at random) before GRPO")
+    sft_steps: int = option(0, "SFT warm start: steps on format-only plans (every tool per question) before GRPO")
     sft_lr: float = option(1e-4, "learning rate of the SFT warm start (its own AdamW, constant)")
     # --- bookkeeping ---
     seed: int = option(42, "seed of data order, sampling and initialisation")
@@ -179,16 +179,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task (prepare_data.py): arithmetic -> Python, lookups -> Wikipedia over the corpus,
-    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. A small lr, T = 1 and about one
-    # question of each kind per step keep one Adam step from moving every plan onto one tool (README). Micro-batches
-    # of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer for the backward.
+    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. 24 SFT steps: fewer fit the format
+    # but leave one tool preferred, and GRPO then amplifies it; a small lr, since Adam's first steps move every weight
+    # by about lr (README). Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer.
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                verify=False, analysis=False, tool_tips=False, batch_size=3, group_size=4, max_turns=2,
-                max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=1e-4,
-                warmup_steps=2, max_steps=30, save_every=10, sft_steps=8, sft_lr=1e-3, tool_timeout_s=5.0,
-                eval_every=10, eval_limit=30, output_dir="runs/cpu"),
+                verify=False, analysis=False, tool_tips=False, batch_size=3, group_size=6, max_turns=2,
+                max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=2e-5,
+                warmup_steps=0, max_steps=15, save_every=5, sft_steps=24, sft_lr=1e-3, tool_timeout_s=5.0,
+                eval_every=5, eval_limit=30, output_dir="runs/cpu"),
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
@@ -2354,7 +2354,8 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
     """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (with the frozen analyst's real notes)
     -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t, each step, own AdamW. Every question is paired
     with every tool equally often, so the fit is uniform over tools per question: no tool is taught, and no question
-    starts RL with a preferred one (a tool drawn at random per step would leave the last steps' draws learnt)."""
+    starts RL with a preferred one (a tool drawn at random per step would leave the last steps' draws learnt). A few
+    steps fit the format long before the choice is uniform (README)."""
     rng, names = random.Random(f"sft-{cfg.seed}"), list(tools)
     pool = [r["question"] for r in rng.sample(rows, min(len(rows), max(1, cfg.batch_size * cfg.group_size
                                                                        // len(names))))]
@@ -2585,35 +2586,8 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
           f"{loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode {max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() "
           f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
 
-def _remote_speedup(group: int) -> None:
-    """G calls to a 127.0.0.1 OpenAI-compatible stand-in answering after 100 ms: concurrent vs one after another."""
-    class Slow(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            time.sleep(0.1)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()  # HTTP/1.0: the connection closes after the body, so no Content-Length is needed
-            self.wfile.write(b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}')
-
-        log_message = lambda self, *args: None  # keep the benchmark's output clean
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    prompts, t = [f"question {i}" for i in range(group)], {}
-    try:
-        for mode, workers in (("concurrent", group), ("sequential", 1)):  # requests in flight at once: G, then 1
-            remote = OpenAIEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", "stand-in", workers=workers)
-            remote.ask("warm-up")  # connection set-up
-            with timed(t, mode):
-                remote.generate(prompts)
-    finally:
-        server.shutdown()
-    print(f"remote concurrency speedup: {t['sequential'] / t['concurrent']:.1f}x ({group} calls of 100 ms: concurrent "
-          f"{t['concurrent']:.2f}s, one after another {t['sequential']:.2f}s)")
-
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """--benchmark, the README's performance table (its memory row is a test): rollouts, sampling, remote calls. Each
+    """--benchmark, the README's performance table (its memory row is a test): rollouts and sampling. Each
     phase is split into the model's forward passes (timed by hooks, the GPU waited for) and the rest."""
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file)[:cfg.batch_size]]
     model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
@@ -2626,7 +2600,6 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
           f"tokens, model {cfg.model} on {device}")
     _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools), cfg)
-    _remote_speedup(group)
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
     """A line chart of each series per training step, when matplotlib is installed (it is optional)."""

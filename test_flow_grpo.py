@@ -3509,8 +3509,7 @@ def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_o
     (n_lock, distinct), (n_unshared, _) = generated["lockstep"], generated["unshared"]
     assert set(generated) == {"lockstep", "unshared", "sequential"} and n_lock == distinct and n_unshared == 8 * distinct
     speedup = float(re.search(r"rollout speedup: ([\d.]+)x \(lockstep vs sequential\)", out.stdout)[1])
-    remote = float(re.search(r"remote concurrency speedup: ([\d.]+)x", out.stdout)[1])
-    assert speedup > 2 and remote > 3 and "planner sampling, 8 prompts" in out.stdout
+    assert speedup > 2 and "planner sampling, 8 prompts" in out.stdout
     lockstep = re.search(r"^  lockstep .*", out.stdout, re.M)[0]  # each phase: its seconds = forward + the rest
     split = {m[1]: (float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
         r"(\w+) ([\d.]+)s = forward ([\d.]+)s \+ rest (-?[\d.]+)s", lockstep)}
