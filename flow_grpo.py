@@ -1952,8 +1952,8 @@ def claimed(pred: str, gold: str) -> bool:
         outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
         if not i and core[0] == "no" and words[0][-1] == ",":  # 'No, it does not converge': its 'not' agrees, but
             outside = re.sub(r"\b(?:not|never)\b|n't\b", "", outside).replace("yes", "no")  # 'No, yes' takes it back
-        link = i and (core[i - 1] in LINKS or number and core[i - 1] == "of")  # 'a population of 2894.'
-        if i and not link or HEDGES.search(outside) or number and re.search(r"\d", outside):
+        linked = core[i - 1] in LINKS or number and core[i - 1] == "of"  # 'of' for numbers: 'a population of 2894.'
+        if i and not linked or HEDGES.search(outside) or number and re.search(r"\d", outside):
             continue
         last, after = words[j - 1], core[j]
         if not i:  # first: a verb follows ('Jupiter is ...'), a comma after yes/no ('Yes, it converges'), or alone
