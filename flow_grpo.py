@@ -63,8 +63,8 @@ DELIBERATE SIMPLIFICATIONS (and why)
 
 from __future__ import annotations
 
-import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, importlib.util
-import inspect, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
+import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, importlib.util, inspect
+import itertools, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
 import textwrap, threading, time, unicodedata, urllib.parse, warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -124,6 +124,7 @@ class Config:
     train_file: str = option("data/train/combined_train.parquet", "training parquet from prepare_data.py")
     val_file: str = option("data/val/aime24.parquet", "validation parquet for --eval")
     eval_limit: int = option(0, "evaluate on the first N validation questions only (0 = all)")
+    kinds: str = option("", "train and evaluate on these kinds only (the 'source' column: 'arithmetic,lookup')")
     eval_every: int = option(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
     wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
@@ -152,7 +153,7 @@ class Config:
     num_minibatches: int = option(1, "optimizer steps per pass (the batch is split by trajectory)")
     micro_batch_size: int = option(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
     clip_ratio_c: float = option(3.0, "dual clip (verl's): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
-    adv_unit: str = option("trajectory", "advantages over a group's 'trajectory's (paper) or 'turn'-rows (AgentFlow)")
+    adv_unit: str = option("trajectory", "advantages over a group's 'trajectory's (paper) or turn 'row's (AgentFlow)")
     # --- optimisation ---
     lr: float = option(1e-5, "AdamW learning rate of the LoRA weights")
     weight_decay: float = option(0.0, "AdamW weight decay")
@@ -178,21 +179,21 @@ PRESETS: dict[str, dict[str, Any]] = {
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
-    # SmolLM2 on the offline tools task (prepare_data.py): arithmetic -> Python, lookups -> Wikipedia over the corpus,
-    # compound -> Wikipedia then Python. No KL: the base writes no parseable plan. 24 SFT steps: fewer fit the format
-    # but leave one tool preferred, and GRPO then amplifies it; a small lr, since Adam's first steps move every weight
-    # by about lr (README). Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer.
+    # SmolLM2 on the offline tools task (prepare_data.py), one turn: arithmetic -> Python, lookups -> Wikipedia
+    # (compound questions need two turns, out of a 135M model's reach: README). No KL: the base writes no parseable
+    # plan. Small lr: Adam's first steps move every weight by ~lr. 24 tool workers: the B x G tool calls' LLM calls
+    # share one batch. Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer.
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
-                tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                verify=False, analysis=False, tool_tips=False, batch_size=3, group_size=6, max_turns=2,
-                max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.0, lr=2e-5,
-                warmup_steps=0, max_steps=15, save_every=5, sft_steps=24, sft_lr=1e-3, tool_timeout_s=5.0,
-                eval_every=5, eval_limit=30, output_dir="runs/cpu"),
+                kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
+                "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=4, group_size=6,
+                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.0,
+                lr=3e-5, warmup_steps=0, max_steps=12, save_every=4, sft_steps=16, sft_lr=1e-3, tool_timeout_s=5.0,
+                tool_workers=24, eval_every=4, eval_limit=24, output_dir="runs/cpu"),
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
-CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "turn"),
+CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "row"),
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
            "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
 
@@ -264,11 +265,12 @@ def usage(**add: float) -> Counter:
 
 @dataclass
 class Sample:
-    """One sampled action; its tensors are 1-D and unpadded."""
+    """One sampled action; its tensors are 1-D and unpadded. The agent keeps it on its Turn (planner_output), and
+    build_rows() turns it into a Row: the same record plus what the update adds (advantage, pi_old, pi_ref)."""
     prompt_ids: torch.Tensor  # [P] the rendered prompt
     action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
     logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
-    text: str  # the action decoded, special tokens dropped
+    text: str = ""  # the action decoded, special tokens dropped
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
@@ -447,15 +449,12 @@ def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
 
-@dataclass
-class Row:
-    """One planner turn, ready for the update: trained with its OWN prompt (the state s_t at that turn)."""
-    prompt_ids: torch.Tensor  # [P]
-    action_ids: torch.Tensor  # [A]
-    logprobs: torch.Tensor  # [A] behaviour log-probs, captured while sampling (Sample.logprobs)
+@dataclass(kw_only=True)
+class Row(Sample):
+    """One planner turn, ready for the update: its Sample (trained on its OWN prompt, the state s_t) and more."""
     advantage: float  # the trajectory's A_i, broadcast to each of its turns
     traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
-    old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: the update's own forward, detached (ratio 1)
+    old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: one pass only, so the update's own forward IS pi_old
     ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
 
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1727,14 +1726,13 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine,
 def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
                unit: str = "trajectory") -> list[Row]:
     """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
-    unit='turn' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
+    unit='row' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
     turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
-    if unit == "turn":
+    if unit == "row":
         adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
     else:
         adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
-    return [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=a, traj_id=i)
-            for (i, s), a in zip(turns, adv_B.tolist())]
+    return [Row(**vars(s), advantage=a, traj_id=i) for (i, s), a in zip(turns, adv_B.tolist())]
 
 # ======== 13. Judge reward ===========================================================================
 # The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, math-verify
@@ -2135,13 +2133,20 @@ def ensure_sample_data(cfg: Config) -> None:
             write(built[i], path)
             log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
 
-def batch_indices(n: int, seed: int, step: int, size: int) -> list[int]:
-    """The rows of training step `step` (1, 2, ...): each epoch is a shuffle of the n rows seeded by its number, read in
-    order. A pure function of the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
-    first = (step - 1) * size  # rows drawn before this step
-    epochs = {e: list(range(n)) for e in range(first // n, (first + size - 1) // n + 1)}
-    for e, rows in epochs.items():
-        random.Random(seed + e).shuffle(rows)
+def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int]:
+    """The rows of training step `step` (1, 2, ...), given each row's kind (its source). Each epoch shuffles each
+    kind's rows, seeded by the epoch's number, and deals the kinds in turn: a batch holds them in equal shares, so
+    no update pushes one tool on every question because its draw happened to be all arithmetic. A pure function of
+    the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
+    n, first = len(kinds), (step - 1) * size  # rows drawn before this step
+    epochs = {}
+    for e in range(first // n, (first + size - 1) // n + 1):
+        by_kind: dict[str, list[int]] = {}
+        for i, kind in enumerate(kinds):
+            by_kind.setdefault(kind, []).append(i)
+        for rows in by_kind.values():
+            random.Random(seed + e).shuffle(rows)
+        epochs[e] = [i for dealt in itertools.zip_longest(*by_kind.values()) for i in dealt if i is not None]
     return [epochs[k // n][k % n] for k in range(first, first + size)]
 
 def run_settings(cfg: Config, train_data: str = "") -> dict:
@@ -2351,33 +2356,32 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
     return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
 
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
-    """--sft-steps (the header's SFT -> RL): a rollout's exact turn-1 prompt (with the frozen analyst's real notes)
-    -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t, each step, own AdamW. Every question is paired
-    with every tool equally often, so the fit is uniform over tools per question: no tool is taught, and no question
-    starts RL with a preferred one (a tool drawn at random per step would leave the last steps' draws learnt). A few
-    steps fit the format long before the choice is uniform (README)."""
-    rng, names = random.Random(f"sft-{cfg.seed}"), list(tools)
-    pool = [r["question"] for r in rng.sample(rows, min(len(rows), max(1, cfg.batch_size * cfg.group_size
-                                                                       // len(names))))]
-    texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
-    pairs = [(q, t, name) for q, t in zip(pool, texts) for name in names]  # B x G rows per step, as in a rollout
-    prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
-                            add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t, _ in pairs]
-    actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": name}), add_special_tokens=False)
-                            ["input_ids"] + [tokenizer.eos_token_id]) for q, _, name in pairs]
-    n_tokens = sum(len(a) for a in actions)
+    """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
+    rollout prompts -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t: the fit is uniform over tools,
+    none taught or preferred when RL starts. Own AdamW, lr decayed to 0: at a constant lr the last steps' noise stays
+    (a tool preferred on new questions)."""
+    names, kinds = list(tools), [r.get("source") for r in rows]
+    order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay)
     model.train()
     losses = []
     for step in range(1, cfg.sft_steps + 1):
-        total = 0.0
+        pool = [rows[i]["question"] for i in batch_indices(kinds, order, step, cfg.batch_size)]
+        texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
+        pairs = [(q, t, name) for q, t in zip(pool, texts) for name in names]  # B x (number of tools) rows
+        prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, Memory(), 1, cfg.max_turns)),
+                                add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t, _ in pairs]
+        actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": name}), add_special_tokens=False)
+                                ["input_ids"] + [tokenizer.eos_token_id]) for q, _, name in pairs]
+        total, n_tokens = 0.0, sum(len(a) for a in actions)
         optimizer.zero_grad(set_to_none=True)
         for i in range(0, len(pairs), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
             loss = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # linear decay to 0
         optimizer.step()
         losses.append(total)
         log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}")
@@ -2421,8 +2425,9 @@ def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optio
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
     torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    device, out_dir, data_rows = pick_device(cfg), Path(cfg.output_dir), prepare_data.load_questions(cfg.train_file)
+    device, out_dir = pick_device(cfg), Path(cfg.output_dir)
+    data_rows = prepare_data.load_questions(cfg.train_file, kinds=cfg.kinds)
+    kinds = [r["source"] for r in data_rows]  # batches deal them in turn (batch_indices)
     digest = hashlib.sha256(json.dumps(data_rows, default=str).encode()).hexdigest()
     train_data = f"{len(data_rows)} rows, sha256 {digest[:12]}"
     last = resume_point(out_dir, cfg, train_data)
@@ -2444,7 +2449,7 @@ def train(cfg: Config) -> Path:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
-    eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit) if cfg.eval_every else []
+    eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds) if cfg.eval_every else []
     held_out = functools.partial(held_out_metrics, model, tokenizer, frozen, tools, judge, eval_rows, cfg)
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
         with open(out_dir / "metrics.jsonl", "a") as mf:
@@ -2455,7 +2460,7 @@ def train(cfg: Config) -> Path:
             tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
                  dynamic_ncols=True) as bar:
         for step in bar:
-            batch = [data_rows[i] for i in batch_indices(len(data_rows), cfg.seed, step, cfg.batch_size)]
+            batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
                                                   tools, cfg, step, data_rows)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
@@ -2495,8 +2500,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
                                  max_new_tokens=max_new_tokens, temperature=cfg.temperature)
         rewards = [sum(c.isdigit() for c in s.text) / max(1, len(s.text)) for s in samples]  # the digits' share
         adv_B = group_advantages(rewards, [i // group for i in range(len(samples))])
-        rows = [Row(prompt_ids=s.prompt_ids, action_ids=s.action_ids, logprobs=s.logprobs, advantage=float(a),
-                    traj_id=i) for i, (s, a) in enumerate(zip(samples, adv_B))]
+        rows = [Row(**vars(s), advantage=float(a), traj_id=i) for i, (s, a) in enumerate(zip(samples, adv_B))]
         fill_old_and_ref(model, rows, cfg, step)
         update_policy(model, optimizer, rows, cfg, step)
         scheduler.step()
@@ -2513,7 +2517,7 @@ def build_agent(cfg: Config, device: str):
 def evaluate(cfg: Config, device: str) -> dict:
     """--eval: greedy solve of the validation set, in lockstep batches of a rollout's size (B x G); the LAST stdout
     line says what happened, in counts."""
-    rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit)
+    rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds)
     frozen, tools, judge, planner = build_agent(cfg, device)
     t0 = time.perf_counter()
     result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
@@ -2587,9 +2591,8 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
           f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """--benchmark, the README's performance table (its memory row is a test): rollouts and sampling. Each
-    phase is split into the model's forward passes (timed by hooks, the GPU waited for) and the rest."""
-    questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file)[:cfg.batch_size]]
+    """--benchmark: rollouts, each phase split into the model's forward passes (hooks, GPU waited for) and the rest."""
+    questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file, cfg.batch_size, cfg.kinds)]
     model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
     sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # generate() bypasses peft's forward

@@ -666,9 +666,10 @@ def write_corpus(docs: list[dict], path) -> Path:
     return path
 
 
-def load_questions(path: str, limit: int = 0) -> list[dict]:
-    """Rows of a prepare_data.py parquet as dicts with id, question, answer (the ground truth) and source. Rows
-    without a question or gold are dropped with a count (a missing gold read as "nan" would match an answer "nan")."""
+def load_questions(path: str, limit: int = 0, kinds: str = "") -> list[dict]:
+    """Rows of a prepare_data.py parquet as dicts with id, question, answer (the ground truth) and source; with
+    `kinds` ("arithmetic,lookup") only rows of those sources, in file order, before `limit`. Rows without a
+    question or gold are dropped with a count (a missing gold read as "nan" would match an answer "nan")."""
     import pandas as pd
 
     def fail(msg: str):
@@ -690,6 +691,10 @@ def load_questions(path: str, limit: int = 0) -> list[dict]:
              "source": str(r.get("source", "?"))} for i, r in enumerate(df[keep].to_dict("records"))]
     if not rows:
         fail("holds no usable question")
+    if wanted := [k.strip() for k in kinds.split(",") if k.strip()]:
+        if not (chosen := [r for r in rows if r["source"] in wanted]):
+            fail(f"holds no question of the kinds {wanted}; its kinds: {sorted({r['source'] for r in rows})}")
+        rows = chosen
     return rows[:limit] if limit else rows
 
 

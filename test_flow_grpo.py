@@ -660,7 +660,7 @@ def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objecti
     group_ids = [f"q{i // G}" for i in range(len(rewards))]  # string ids
     turn = fg.Turn(plan_text="", plan=None, call=None, result=None, planner_output=fg.Sample(*[torch.zeros(1)] * 3, ""))
     states = [fg.AgentState(question="q", memory=fg.Memory(), turns=[turn] * t) for t in turns]
-    rows = fg.build_rows(states, rewards, group_ids, "group", unit="turn")
+    rows = fg.build_rows(states, rewards, group_ids, "group", unit="row")
     assert [r.traj_id for r in rows] == [i for i, t in enumerate(turns) for _ in range(t)]
     lens = torch.randint(1, 7, (len(rows),), generator=g)
     mask = torch.arange(6)[None, :] < lens[:, None]
@@ -680,7 +680,7 @@ def test_agg_token_mean_with_turn_advantages_and_dual_clip_is_agentflows_objecti
     assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
     per_traj = fg.group_advantages(rewards, [i // G for i in range(len(rewards))])  # the paper's unit differs
     assert not torch.allclose(adv_R, torch.tensor([float(per_traj[r.traj_id]) for r in rows]), atol=1e-2)
-    assert fg.parse_config(["--adv-unit", "turn"]).adv_unit == "turn"
+    assert fg.parse_config(["--adv-unit", "row"]).adv_unit == "row"
     with pytest.raises(SystemExit):
         fg.parse_config(["--adv-unit", "token"])
 
@@ -3215,11 +3215,20 @@ def test_ctrl_c_finishes_the_step_and_saves_a_checkpoint(tmp_path, sample_data, 
 
 
 def test_batch_indices_are_deterministic_and_cover_each_epoch():
-    steps = [fg.batch_indices(7, seed=3, step=k, size=5) for k in (1, 2, 3)]
-    assert steps == [fg.batch_indices(7, seed=3, step=k, size=5) for k in (1, 2, 3)]  # a resume draws the same
+    steps = [fg.batch_indices(["?"] * 7, seed=3, step=k, size=5) for k in (1, 2, 3)]
+    assert steps == [fg.batch_indices(["?"] * 7, seed=3, step=k, size=5) for k in (1, 2, 3)]  # a resume draws the same
     drawn = sum(steps, [])
     assert sorted(drawn[:7]) == sorted(drawn[7:14]) == list(range(7))  # each epoch is every row once, no repeat
     assert drawn[:7] != drawn[7:14]  # and each epoch has its own order
+
+
+def test_batch_indices_deal_the_kinds_in_equal_shares():
+    kinds = ["arithmetic"] * 6 + ["lookup"] * 6  # grouped in the file: a plain shuffle would often draw 4 of a kind
+    for step in range(1, 7):  # two epochs of batches of 4, and one batch that straddles them (size 8, step 2)
+        assert Counter(kinds[i] for i in fg.batch_indices(kinds, seed=5, step=step, size=4)) == {"arithmetic": 2,
+                                                                                                "lookup": 2}
+    assert sorted(fg.batch_indices(kinds, seed=5, step=1, size=12)) == list(range(12))  # still every row once
+    assert Counter(kinds[i] for i in fg.batch_indices(kinds, seed=5, step=2, size=8)) == {"arithmetic": 4, "lookup": 4}
 
 
 def test_train_counts_remote_failures_and_stops_when_a_whole_step_failed(tmp_path, sample_data, standin):
@@ -3991,6 +4000,19 @@ def test_tools_task_is_seeded_computed_from_the_corpus_and_held_out(tmp_path, mo
     assert run_script("--tools-task", "--out-dir", tmp_path / "cli").returncode == 0
     assert pd.read_parquet(tmp_path / "cli" / "tools_task" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
     assert (tmp_path / "cli" / "tools_task" / "corpus.jsonl").read_text() == Path(cfg.wiki_corpus).read_text()
+
+
+def test_kinds_select_questions_in_file_order_before_the_limit_and_an_unknown_kind_is_one_error(tmp_path):
+    _, val, _ = prepare_data.build_tools_task()
+    path = str(prepare_data.write_dataset(val, tmp_path / "val.parquet"))
+    rows = prepare_data.load_questions(path, limit=4, kinds="arithmetic, lookup")
+    assert [r["question"] for r in rows] == [r["question"] for r in val if r["source"] != "compound"][:4]
+    assert [r["source"] for r in rows] == ["arithmetic", "lookup"] * 2
+    with pytest.raises(SystemExit, match=r"^error: .* no question of the kinds \['algebra'\]; its kinds: "
+                                         r"\['arithmetic', 'compound', 'lookup'\]$"):
+        prepare_data.load_questions(path, kinds="algebra")
+    cfg = fg.parse_config(["--preset", "cpu"])  # the preset: the one-turn kinds only
+    assert cfg.kinds == "arithmetic,lookup" and cfg.max_turns == 1
 
 
 CORPUS = {"Vorlund": "Vorlund has a population of 4312. Vorlund was founded in the year 1723.",
