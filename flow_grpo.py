@@ -1919,8 +1919,8 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
     if not pred or not verify or any(misread) or any(huge) or len(sets) > 1 or capitals[0] != capitals[1]:
         return False
     if g is not None and re.search(r"\d\s*(?:[-+*/]|\\times(?!\s*10\^)|\\cdot|\\div)|!", pred):  # a plain-number
-        m = re.fullmatch(r"([-+*/^().=\d\s]|\\times|\\cdot|\\div)+=([^=]+)", pred)  # gold wants the number: '9379 +
-        return bool(m) and to_number(m[2]) == g  # 2894' restates the question, '9379 + 2894 = 12273' answers it
+        m = re.fullmatch(r"([-+*/^().=\d\s]|\\times|\\cdot|\\div|\sis\s)+=([^=]+)", pred)  # gold wants the number:
+        return bool(m) and to_number(m[2]) == g  # '9379 + 2894' restates the question, '... = 12273' answers it
     return math_verify_equal(gold, pred)
 
 def as_interval(text: str) -> str:

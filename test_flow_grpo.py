@@ -2780,6 +2780,7 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>one million</answer>", "1 million", "nq", 1.0),
     ("<answer>2.5 million</answer>", "2500000", "nq", 1.0),
     ("<answer>9379 + 2894 = 12273</answer>", "12273", "mathhard", 1.0),
+    ("<answer>1803 - 720 is 1803 - 720 = 1083.</answer>", "1083", "mathhard", 1.0),  # SmolLM2's way of saying it
     ("<answer>The series diverges to infinity.</answer>", "\\infty", "mathhard", 1.0),
     ("<answer>x < 2</answer>", "(-\\infty, 2)", "mathhard", 1.0),
     ("<answer>2 \\le x</answer>", "[2, \\infty)", "mathhard", 1.0),
@@ -2792,6 +2793,8 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>There are 7 million people.</answer>", "seven", "nq", 0.0),
     ("<answer>one thousand</answer>", "1 million", "nq", 0.0),
     ("<answer>9379 + 2894 = 12274</answer>", "12273", "mathhard", 0.0),
+    ("<answer>1803 - 720 is 1803 - 720 = 1084.</answer>", "1083", "mathhard", 0.0),
+    ("<answer>1083 is 1803 - 720 = 1084</answer>", "1083", "mathhard", 0.0),  # the equation's result is the claim
     ("<answer>x = 3 \\lor x = 4</answer>", "4", "mathhard", 0.0),
     ("<answer>-infinity</answer>", "\\infty", "mathhard", 0.0),
     ("<answer>It diverges to -infinity.</answer>", "\\infty", "mathhard", 0.0),
