@@ -181,12 +181,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task (prepare_data.py), one turn: arithmetic -> Python, lookups -> Wikipedia
     # (compound questions need two turns, out of a 135M model's reach: README). No KL: the base writes no parseable
-    # plan. Small lr: Adam's first steps move every weight by ~lr. 24 tool workers: the B x G tool calls' LLM calls
-    # share one batch. Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P] per layer.
+    # plan. Small lr: Adam's first steps move every weight by ~lr. 6 groups of 4, not 4 of 6: at one cost, more
+    # questions per step average out which kind happened to give the stronger signal. 24 tool workers: the B x G tool
+    # calls' LLM calls share one batch. Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P].
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
-                "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=4, group_size=6,
+                "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.0,
                 lr=3e-5, warmup_steps=0, max_steps=12, save_every=4, sft_steps=16, sft_lr=1e-3, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=4, eval_limit=24, output_dir="runs/cpu"),
@@ -1344,9 +1345,10 @@ class PythonCoderTool(Tool):
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
     def run(self, args: Any, findings: str = "") -> dict:
-        # One plain sentence: a small model follows it better than rules. The sandbox keeps the code harmless.
+        # One plain sentence: a small model follows it better than rules ("no functions": else it defines one and
+        # calls it with a number of its own). The sandbox keeps the code harmless.
         prompt = ((f"Facts found so far: {findings}\n" if findings else "") +
-                  f"Write a Python program that prints the result of: {args.query}\n"
+                  f"Write a short Python program, with no functions, that prints the result of: {args.query}\n"
                   "Reply with the program in one ```python block.")
         reply = str(self.engine.ask(prompt, max_tokens=self.max_tokens))
         blocks = [(lang.lower(), textwrap.dedent(code)) for lang, code in self.FENCED.findall(reply)]
@@ -1574,9 +1576,12 @@ def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
             + (f"Query analysis: {analysis}\n\n" if analysis else "") + f"Memory:\n{memory.to_text()}")
 
 def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first: with them last, a small model lists steps of its own instead of answering
-    return (f"Steps taken so far:\n{memory.to_text()}\n\nQuestion: {question}\nAnswer the question using the "
-            f"steps above. Reason briefly, then give only the final answer inside <answer></answer>.")
+    # Steps first: with them last, a small model lists steps of its own instead of answering. What they found
+    # (program output, page summaries) repeated as plain text: else a small model copies the question's expression.
+    found = memory.findings()
+    return (f"Steps taken so far:\n{memory.to_text()}\n\n" + (f"They found: {found}\n\n" if found else "") +
+            f"Question: {question}\nAnswer the question using the steps above. Reason briefly, then give only "
+            f"the final answer inside <answer></answer>.")
 
 def analyse(questions: list[str], frozen: Engine, tools: dict) -> list[str]:
     """The frozen analyst's notes per question, as the JSON text the planner reads ("(no analysis)" if unparsed)."""
