@@ -179,11 +179,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
-    # SmolLM2 on the offline tools task (prepare_data.py), one turn: arithmetic -> Python, lookups -> Wikipedia
-    # (compound questions need two turns, out of a 135M model's reach: README). No KL: the base writes no parseable
-    # plan. Small lr: Adam's first steps move every weight by ~lr. 6 groups of 4, not 4 of 6: at one cost, more
-    # questions per step average out which kind happened to give the stronger signal. 24 tool workers: the B x G tool
-    # calls' LLM calls share one batch. Micro-batches of 2: CPU attention with a padding mask holds [rows, heads, P, P].
+    # SmolLM2 on the offline tools task, one turn: arithmetic -> Python, lookups -> Wikipedia (two-turn compound
+    # questions are out of a 135M model's reach: README). No KL: the base writes no parseable plan. Small lr: Adam's
+    # first steps move every weight by ~lr. 6 groups of 4, not 4 of 6: more questions per step average out which kind
+    # gave the stronger signal. 24 tool workers: one LLM batch. Micro-batches of 2: CPU attention holds [R, H, P, P].
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
@@ -1345,8 +1344,7 @@ class PythonCoderTool(Tool):
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
     def run(self, args: Any, findings: str = "") -> dict:
-        # One plain sentence: a small model follows it better than rules ("no functions": else it defines one and
-        # calls it with a number of its own). The sandbox keeps the code harmless.
+        # One plain sentence ("no functions": else a small model calls one with a number of its own); sandboxed.
         prompt = ((f"Facts found so far: {findings}\n" if findings else "") +
                   f"Write a short Python program, with no functions, that prints the result of: {args.query}\n"
                   "Reply with the program in one ```python block.")
@@ -1576,8 +1574,7 @@ def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
             + (f"Query analysis: {analysis}\n\n" if analysis else "") + f"Memory:\n{memory.to_text()}")
 
 def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first: with them last, a small model lists steps of its own instead of answering. What they found
-    # (program output, page summaries) repeated as plain text: else a small model copies the question's expression.
+    # Steps first (else a small model lists steps of its own); their findings again in plain words (else: '12*34')
     found = memory.findings()
     return (f"Steps taken so far:\n{memory.to_text()}\n\n" + (f"They found: {found}\n\n" if found else "") +
             f"Question: {question}\nAnswer the question using the steps above. Reason briefly, then give only "
@@ -2363,8 +2360,7 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
     rollout prompts -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t: the fit is uniform over tools,
-    none taught or preferred when RL starts. Own AdamW, lr decayed to 0: at a constant lr the last steps' noise stays
-    (a tool preferred on new questions)."""
+    none taught or preferred when RL starts. Own AdamW, lr decayed to 0: a constant lr leaves a tool preferred."""
     names, kinds = list(tools), [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2520,8 +2516,7 @@ def build_agent(cfg: Config, device: str):
     return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
 
 def evaluate(cfg: Config, device: str) -> dict:
-    """--eval: greedy solve of the validation set, in lockstep batches of a rollout's size (B x G); the LAST stdout
-    line says what happened, in counts."""
+    """--eval: greedy solve of the validation set in batches of B x G; the LAST stdout line counts what happened."""
     rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds)
     frozen, tools, judge, planner = build_agent(cfg, device)
     t0 = time.perf_counter()
