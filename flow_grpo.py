@@ -181,8 +181,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: arithmetic -> Python, lookups -> Wikipedia (two-turn compound
     # questions are out of a 135M model's reach: README). No KL: the base writes no parseable plan. Small lr: Adam's
-    # first steps move every weight by ~lr. 6 groups of 4, not 4 of 6: more questions per step average out which kind
-    # gave the stronger signal. 24 tool workers: one LLM batch. Micro-batches of 2: CPU attention holds [R, H, P, P].
+    # first steps move every weight by ~lr. 6 groups of 4: more questions per step for the same rows. 24 tool
+    # workers: all tool calls' LLM requests in one batch. Micro-batches of 2: CPU attention holds [R, H, P, P].
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
@@ -1574,7 +1574,7 @@ def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
             + (f"Query analysis: {analysis}\n\n" if analysis else "") + f"Memory:\n{memory.to_text()}")
 
 def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first (else a small model lists steps of its own); their findings again in plain words (else: '12*34')
+    # Steps first (else a small model lists steps of its own); findings again in plain words (else it echoes 12 * 34)
     found = memory.findings()
     return (f"Steps taken so far:\n{memory.to_text()}\n\n" + (f"They found: {found}\n\n" if found else "") +
             f"Question: {question}\nAnswer the question using the steps above. Reason briefly, then give only "

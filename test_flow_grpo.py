@@ -3333,6 +3333,18 @@ def test_no_analysis_skips_the_analyst_and_leaves_its_notes_out_of_the_prompts()
         assert len(seen) == 2 and all("What is 12 squared?" in p for p in seen)
 
 
+def test_answer_prompt_repeats_what_the_steps_found_in_plain_words():
+    memory = fg.Memory()
+    assert "They found" not in fg.answer_prompt("What is 5342 - 446?", memory)  # nothing found yet: no empty line
+    memory.add("Python_Coder_Tool", "5342 - 446", {"query": "5342 - 446"},
+               {"code": "print(5342 - 446)", "stdout": "4896\n", "error": None})
+    memory.add("Wikipedia_RAG_Search_Tool", "population of Voryst", {"query": "Voryst"},
+               {"pages": [{"title": "Voryst", "summary": "Voryst has a population of 7396."}]})
+    prompt = fg.answer_prompt("What is 5342 - 446?", memory)
+    assert "They found: 4896 Voryst has a population of 7396.\n" in prompt  # stdout and summaries, in step order
+    assert prompt.index("Steps taken so far") < prompt.index("They found") < prompt.index("Question:")
+
+
 def test_train_warm_starts_once_into_checkpoint_0(tmp_path, sample_data, monkeypatch):
     calls, real = [], fg.sft_warm_start
     monkeypatch.setattr(fg, "sft_warm_start", lambda *a: calls.append(1) or real(*a))
