@@ -286,8 +286,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         logp_RV = log_softmax(logits_RV / T)         the exact distribution we sample from; the update recomputes it
         tok_R = multinomial(exp(logp_RV))
         logp_BA[rows_R, step] = logp_RV[tok_R]       kept: the behaviour log-prob of each row's new token
-    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded so that each row's next token is written in
-    the same column:
+    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded: each row's next token goes in the same column:
         ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
     Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
@@ -385,9 +384,8 @@ def zero_std_frac(rewards, group_ids) -> float:
     return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
 
 # ======== 5. The clipped-ratio loss with k3 KL =======================================================
-# Every aggregation is a weighted sum of per-token losses; only the weights differ. Computing the weights for
-# a whole minibatch FIRST and slicing them per micro-batch makes gradient accumulation exact: the micro-batch
-# losses add up to the minibatch loss, whatever the micro-batch size.
+# Every aggregation is a weighted sum of per-token losses; only the weights differ. Weights computed for a whole
+# minibatch FIRST, then sliced, make gradient accumulation exact: micro-batch losses add up to the minibatch loss.
 
 def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
     """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
@@ -416,11 +414,10 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
     """The Flow-GRPO loss (to MINIMISE) and its statistics. One row per planner turn: logp_BA, old_logp_BA, ref_logp_BA
     under pi_theta, pi_old, pi_ref; adv_B its A_i. weights: precomputed aggregation_weights for these rows
     (micro-batches of a bigger minibatch); by default computed from `agg` and traj_ids over this batch alone.
-    Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust
-    region); for A < 0 it stops once rho < 1 - clip_low. In the other two cases the unclipped term is the
-    smaller one and the gradient flows - so the clip never shields a move that makes things worse.
-    clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and rho > clip_ratio_c the loss stays at
-    -clip_ratio_c * A with no gradient, so one token the policy now loves cannot dominate the update."""
+    Why min(): for A > 0 the objective stops growing once rho > 1 + clip_high (no push beyond the trust region), for
+    A < 0 once rho < 1 - clip_low; otherwise the unclipped term is the smaller one and its gradient flows: the clip
+    never shields a move that makes things worse. clip_ratio_c (verl's dual clip; None or 0 = off): for A < 0 and
+    rho > clip_ratio_c the loss is -clip_ratio_c * A, no gradient: one token the policy now loves cannot dominate."""
     mask_BA = mask_BA.bool()
     w_BA = weights if weights is not None else aggregation_weights(mask_BA, agg, traj_ids)
     # where() rather than *mask: padded positions may hold anything (even -inf), and must not reach exp().
@@ -790,10 +787,15 @@ def schema_matcher(ll_tokenizer, schema: type[BaseModel], max_chars: int) -> llg
     keep them from call to call), instead of each compiling the grammar and building the same states again."""
     return llguidance.LLMatcher(ll_tokenizer, json_grammar(schema, max_chars))
 
+def argmax_rows(x_BV: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima); on CPU numpy's, which is vectorised where torch's is not."""
+    return (torch.from_numpy(x_BV.float().numpy().argmax(1)) if x_BV.device.type == "cpu" else x_BV.argmax(1)).tolist()
+
 class SchemaMask:
-    """A logits processor for model.generate(): row i may only emit tokens that keep its text a prefix of JSON
-    valid under its schema (an llguidance LLMatcher per row; rows without a schema are free), then only EOS. Each
-    step fills all rows of one preallocated bitmask at once (a bit per token), on the device a bias of 0 or -inf."""
+    """A logits processor for GREEDY generate(): row i may only emit tokens that keep its text a prefix of JSON valid
+    under its schema (an llguidance LLMatcher per row; rows without one are free), then only EOS. Rows whose top token
+    the grammar accepts need no mask (greedy takes it anyway; one token's check is far cheaper than a vocabulary's
+    mask); the others' masks fill one bitmask at once (a bit per token), applied on the device as a 0/-inf bias."""
     # a byte of the bitmask -> the biases of its 8 tokens, lowest bit first: 0 if the bit is set (allowed), else -inf
     BYTE_BIAS_256x8 = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
@@ -802,26 +804,32 @@ class SchemaMask:
         if self.matchers:  # bitmask_BW: W int32 words of 32 tokens; rows without a schema keep all ones (allowed)
             import llguidance.torch  # not at the top: it loads torch's compiler (seconds), as generate() does
             self.bitmask_BW = llguidance.torch.allocate_token_bitmask(len(schemas), ll_tokenizer.vocab_size)
-            self.executor = llguidance.LLExecutor()  # the threads that fill the rows' masks
-        self.started = False
+            self.vocab, self.executor = ll_tokenizer.vocab_size, llguidance.LLExecutor()  # executor: threads to fill
+        self.started, self.done = False, set()
 
     def advance(self, last_B: torch.Tensor) -> None:  # the token each row just emitted; stopped rows get padding
         last = last_B.tolist()  # one copy from the device for all rows
         for i, m in self.matchers.items():
-            if not m.is_stopped():
+            if m.is_stopped():  # it was stopped, so this token was its EOS: generate() pads the row from now on
+                self.done.add(i)
+            else:
                 m.consume_token(last[i])
 
     def __call__(self, ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
         if self.started:  # the first call sees only the prompt
             self.advance(ids_BL[:, -1])
         self.started = True
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in self.matchers.items()],
-                                                     self.bitmask_BW)
-        bytes_BN = self.bitmask_BW.to(scores_BV.device).view(torch.uint8)  # little-endian: token 8n + j is bit j
-        bias_BT = self.BYTE_BIAS_256x8.to(scores_BV).index_select(0, bytes_BN.flatten().long()).view(len(bytes_BN), -1)
-        T = min(bias_BT.shape[1], scores_BV.shape[1])  # T: the tokenizer's vocab rounded up to 32, or the model's
-        scores_BV[:, :T] += bias_BT[:, :T]  # adding -inf: no branch per element, unlike masked_fill_
-        scores_BV[list(self.matchers), T:] = float("-inf")  # a model's vocab padded beyond the tokenizer's: closed
+        top = argmax_rows(scores_BV)  # greedy's choice
+        rows = [i for i, m in self.matchers.items()
+                if i not in self.done and (top[i] >= self.vocab or not m.validate_tokens(top[i:i + 1]))]
+        if rows:  # the grammar refused these rows' top token: their masks
+            refused = [(self.matchers[i], i) for i in rows]
+            llguidance.torch.fill_next_token_bitmask_par(self.executor, refused, self.bitmask_BW)
+            bytes_RN = self.bitmask_BW[rows].to(scores_BV.device).view(torch.uint8)  # little-endian: token 8n+j: bit j
+            bias_RT = self.BYTE_BIAS_256x8.to(scores_BV).index_select(0, bytes_RN.flatten().long()).view(len(rows), -1)
+            T = min(bias_RT.shape[1], scores_BV.shape[1])  # T: the tokenizer's vocab rounded up to 32, or the model's
+            scores_BV[rows, :T] += bias_RT[:, :T]  # adding -inf: no branch per element, unlike masked_fill_
+            scores_BV[rows, T:] = float("-inf")  # a model's vocab padded beyond the tokenizer's: closed
         return scores_BV
 
 class LocalEngine(Engine):
@@ -1211,9 +1219,8 @@ def tokenize(text: str) -> list[str]:
     return re.findall(r"[^\W_]+", text.lower())
 
 def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75) -> list[float]:
-    """Okapi BM25 score of each chunk for the query:
-        score(chunk) = sum over distinct query terms t of
-                       idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(chunk) / avg_len))
+    """Okapi BM25 score of each chunk for the query, summed over the distinct query terms t:
+        score(chunk) = sum_t idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(chunk) / avg_len))
     with idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5)) >= 0; k1 saturates the term frequency tf, b penalises length."""
     docs = [Counter(tokenize(c)) for c in chunks]
     lengths = [sum(d.values()) for d in docs]
@@ -1335,9 +1342,8 @@ class PythonCoderTool(Tool):
                                                        "every number and value it needs")
     limitations = ("Python standard library only; no internet, files or user input; a few seconds of run time; "
                    "the program is written by a language model and can be wrong.")
-    # No example task: a small model pastes it into every call.
     tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
-            "with every number it needs.")
+            "with every number it needs.")  # no example task: a small model pastes it into every call
     memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
     reads_memory = True  # a task on a number found earlier ("the population of X, plus 250") needs that number
     # Fenced blocks paired in order: ``` at the start of a line (indented or not) opens one, the next one closes it
@@ -1528,8 +1534,7 @@ def read_corpus(path: str) -> dict[str, str]:
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None,
                wiki_corpus: Optional[dict[str, str]] = None, tips: bool = True) -> dict[str, Tool]:
-    """Tools by name with the common options; the retrieval tools also get the embeddings, Wikipedia its corpus;
-    tips=False: no limitations and tips in their descriptions."""
+    """Tools by name; RAG tools also get the embeddings, Wikipedia its corpus; tips=False drops limitations and tips."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     rag = {"embed_client": embed_client, "embed_model": embed_model}
@@ -1556,8 +1561,7 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
     included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
     return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
             f"Question: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
-            f"Available tools:\n{describe_tools(tools)}\n\n"
-            f"Memory of previous steps:\n{memory.to_text()}\n\n"
+            f"Available tools:\n{describe_tools(tools)}\n\nMemory of previous steps:\n{memory.to_text()}\n\n"
             f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
             f"can reach now; build on the memory instead of repeating a step that already worked."
             + schema_instruction(NextStep))
@@ -1648,8 +1652,7 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
 def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], frozen: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 analysis: bool = True, timings: Optional[dict] = None) -> list[AgentState]:
-    """Run the agent on every question, all trajectories in lockstep; verify=False: always max_turns turns;
-    analysis=False: no query analysis (its notes are left out of the prompts)."""
+    """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
         for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
@@ -1737,10 +1740,9 @@ def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, 
     return [Row(**vars(s), advantage=a, traj_id=i) for (i, s), a in zip(turns, adv_B.tolist())]
 
 # ======== 13. Judge reward ===========================================================================
-# The rule judge: OUR extraction of the final answer, then exact numbers, dates, SQuAD-normalised text, math-verify
-# (10^{3} = 1000, sets in any order), then a claim in a short sentence ('The largest planet is Jupiter.'). What needs
-# the question or a long sentence is left to the LLM judge (--judge llm). Only the last ANSWER_TAIL characters are
-# read and no pattern backtracks, so a huge output costs what a short one does.
+# The rule judge: OUR answer extraction, then exact numbers, dates, SQuAD-normalised text, math-verify (10^{3} = 1000,
+# sets in any order), a claim in a short sentence; what needs the question or a long sentence is the LLM judge's
+# (--judge llm). Only the last ANSWER_TAIL characters are read and no pattern backtracks: a huge output costs no more.
 ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
 # One spelling for what is written several ways (− ∞ π √ ≤ ≥, subscript digits); $ only delimits math
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
@@ -2006,8 +2008,7 @@ def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 def dequantise_gguf(path: Path, folder: Path) -> None:
-    """GGUF file -> an ordinary fp32 checkpoint folder, once (it loads far faster). save_pretrained refuses a
-    GGUF-loaded model, so its weights go into a fresh model built from its config."""
+    """GGUF file -> fp32 checkpoint folder, once (loads far faster), via a fresh model: save_pretrained refuses GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     log(f"[model] dequantising {path.name} once into {folder}")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -2136,10 +2137,9 @@ def ensure_sample_data(cfg: Config) -> None:
             log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
 
 def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int]:
-    """The rows of training step `step` (1, 2, ...), given each row's kind (its source). Each epoch shuffles each
-    kind's rows, seeded by the epoch's number, and deals the kinds in turn: a batch holds them in equal shares, so
-    no update pushes one tool on every question because its draw happened to be all arithmetic. A pure function of
-    the step: a resumed run draws what the uninterrupted one would, with nothing to save."""
+    """The rows of training step `step` (1, 2, ...) from each row's kind (source). Each epoch shuffles each kind's rows
+    (seed + epoch) and deals the kinds in turn: equal shares per batch, so no update pushes one tool on every question
+    because its draw was all arithmetic. Pure in the step: a resume draws as the unbroken run would, nothing saved."""
     n, first = len(kinds), (step - 1) * size  # rows drawn before this step
     epochs = {}
     for e in range(first // n, (first + size - 1) // n + 1):
@@ -2394,8 +2394,7 @@ def route(st: AgentState) -> str:
 
 def greedy_eval(planner: Callable, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
-    """Solve `rows` with a greedy planner: accuracy overall and per kind (the row's source), routes per kind
-    ({"compound": {"Wikipedia>Python": 12, ...}}), and agent_counts."""
+    """Greedy planner on `rows`: accuracy overall and per kind (the row's source), routes per kind, and agent_counts."""
     rewards, c, by_kind, routes = [], Counter(), {}, {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
         questions = [r["question"] for r in chunk]
@@ -2580,9 +2579,8 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
     t2 = time.perf_counter()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0,
-                         repetition_penalty=1.0, max_new_tokens=n, eos_token_id=stops,
-                         pad_token_id=tokenizer.pad_token_id)
+    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0, max_new_tokens=n,
+                         repetition_penalty=1.0, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
     gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
                      for row in new[:, enc["input_ids"].shape[1]:].tolist())
     loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)  # decode = the n-token run - its prefill

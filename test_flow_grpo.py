@@ -1271,13 +1271,14 @@ def smollm2():
 
 
 @pytest.mark.parametrize("which,padded", [("tiny", 0), ("tiny", 45), ("smollm2", 0)])
-def test_schema_mask_equals_the_plain_mask_at_every_decoding_step(tiny, monkeypatch, which, padded):
-    """The batched bitmask only changes speed: at every step of a real generation (constrained rows of several
-    schemas and a free row in one batch) its scores equal the plain mask's, computed by twin matchers fed the same
-    tokens; with the model's vocab padded beyond the tokenizer's, those columns are closed to constrained rows only."""
+def test_schema_mask_makes_the_plain_masks_greedy_choice_at_every_decoding_step(tiny, monkeypatch, which, padded):
+    """The batched, lazy bitmask only changes speed: at every step of a real generation (constrained rows of several
+    schemas and a free row in one batch) each row's greedy token is the one under the plain mask, computed by twin
+    matchers fed the same tokens; a row it masks equals the plain mask's row; with the model's vocab padded beyond the
+    tokenizer's, those columns are closed to masked rows; the free row is never masked."""
     engine = fg.LocalEngine(*(tiny if which == "tiny" else smollm2()), max_tokens=24)
     engine.max_json_chars = 8
-    steps, Plain = [], fg.SchemaMask
+    masked, kept, Plain = [], [], fg.SchemaMask
 
     class Checked(Plain):
         def __init__(self, ll_tokenizer, schemas, max_chars):
@@ -1288,16 +1289,21 @@ def test_schema_mask_equals_the_plain_mask_at_every_decoding_step(tiny, monkeypa
             if self.started:
                 self.twin.advance(ids_BL[:, -1])
             wide_BV = torch.cat([scores_BV, torch.randn(len(scores_BV), padded)], 1)
-            got_BV = super().__call__(ids_BL, wide_BV.clone())
-            assert torch.equal(got_BV, plain_schema_mask(self.twin.matchers, wide_BV)), len(steps)
-            steps.append(int(torch.isinf(got_BV).any(1).sum()))  # rows with something closed
+            got_BV, want_BV = super().__call__(ids_BL, wide_BV.clone()), plain_schema_mask(self.twin.matchers, wide_BV)
+            going = [i for i in range(len(got_BV)) if i not in self.done]  # the others emitted EOS: padding now
+            assert torch.equal(got_BV[going].argmax(1), want_BV[going].argmax(1)), len(masked)
+            rows = torch.isinf(got_BV).any(1)
+            assert torch.equal(got_BV[rows], want_BV[rows]) and not rows[1], len(masked)
+            masked.append(int(rows.sum()))
+            kept.append(sum(i in self.matchers and not rows[i] for i in range(len(rows))))  # grammar took the top
             return got_BV[:, :scores_BV.shape[1]]
 
     schemas = [fg.QueryAnalysis, None, fg.Verification, fg.TitleSelection]
     prompts = [f"Answer as {s.__name__}." + fg.schema_instruction(s) if s else "Say hello." for s in schemas]
     monkeypatch.setattr(fg, "SchemaMask", Checked)
     texts = engine._generate(prompts, 24, schemas)
-    assert len(steps) >= 10 and max(steps) == 3, steps  # every step compared; the free row never masked
+    assert len(masked) >= 10 and max(masked) > 0, masked  # every step compared, masks applied
+    assert which == "tiny" or sum(kept) > 0, kept  # the real model's own top token often fits: no mask needed
     assert isinstance(fg.Verification.model_validate_json(texts[2]), fg.Verification)  # short enough to finish
 
 
