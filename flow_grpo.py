@@ -22,8 +22,8 @@ normalises it inside the group of G trajectories sampled for the same question:
     KL_k3 per token = exp(ref_logp - logp) - (ref_logp - logp) - 1                     (unbiased, always >= 0)
 
 Every turn is trained with ITS OWN prompt s_it, which already holds the memory and tool outputs as text, so no
-environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the base model:
-the same weights with the LoRA adapter switched off (peft's disable_adapter()), so there is no second copy.
+environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the policy RL starts
+from: the base (the LoRA adapter switched off) or, after an SFT warm start, the warm start's adapter swapped in.
 
 WHERE THE ALGORITHM IS. Sections 3 to 6, right after the config, are Flow-GRPO itself: torch and a model, no agent.
     3  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
@@ -147,7 +147,7 @@ class Config:
     agg: str = option("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
     clip_low: float = option(0.2, "ratio clipped below at 1 - clip_low")
     clip_high: float = option(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
-    kl_coef: float = option(0.001, "beta: weight of the k3 KL to the base model")
+    kl_coef: float = option(0.001, "beta: weight of the k3 KL to pi_ref (the warm start if any, else the base)")
     old_logprobs: str = option("recompute", "pi_old: 'recompute' (the update's own code) or 'captured' (the sampler's)")
     ppo_epochs: int = option(1, "passes over each rollout batch")
     num_minibatches: int = option(1, "optimizer steps per pass (the batch is split by trajectory)")
@@ -180,9 +180,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: arithmetic -> Python, lookups -> Wikipedia (two-turn compound
-    # questions are out of a 135M model's reach: README). No KL: the base writes no parseable plan. Small lr: Adam's
-    # first steps move every weight by ~lr. 6 groups of 4: more questions per step for the same rows. 24 tool
-    # workers: all tool calls' LLM requests in one batch. Micro-batches of 2: CPU attention holds [R, H, P, P].
+    # questions are out of a 135M model's reach: README). No KL: README. Small lr: Adam's first steps move every
+    # weight by ~lr. 6 groups of 4: more questions per step for the same rows. 24 tool workers: all tool calls' LLM
+    # requests in one batch. Micro-batches of 2: CPU attention holds [R, H, P, P].
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
@@ -446,13 +446,24 @@ def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
 
+@contextlib.contextmanager
+def adapter_weights(model, weights: dict):
+    """These adapter weights (pi_ref's: the warm start's) in place of the trained ones, which come back after."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    trained = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    set_peft_model_state_dict(model, weights)
+    try:
+        yield
+    finally:
+        set_peft_model_state_dict(model, trained)
+
 @dataclass(kw_only=True)
 class Row(Sample):
     """One planner turn, ready for the update: its Sample (trained on its OWN prompt, the state s_t) and more."""
     advantage: float  # the trajectory's A_i, broadcast to each of its turns
     traj_id: int  # minibatches keep a trajectory's rows together; agg='turn' weighs by trajectory
     old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: one pass only, so the update's own forward IS pi_old
-    ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref (adapter off); None: no KL term
+    ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref; None: no KL term
 
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
@@ -462,9 +473,9 @@ def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Te
 
 @torch.no_grad()
 def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
-                  base: bool = False) -> None:
-    """No-grad log-probs of every row's actions, stored in row.<attr>: pi_old (adapter on) or pi_ref (base=True)."""
-    with adapter_disabled(model) if base else contextlib.nullcontext():
+                  policy=contextlib.nullcontext()) -> None:
+    """No-grad log-probs of every row's actions, stored in row.<attr>, under `policy` (a context: pi_ref's weights)."""
+    with policy:
         for i in range(0, len(rows), micro_batch_size):
             chunk = rows[i:i + micro_batch_size]
             logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
@@ -510,11 +521,10 @@ def has_signal(rows: list[Row], cfg: Config) -> bool:
     yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
     return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
 
-def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
-    """pi_old and pi_ref for every row, with no forward pass the update does not need. pi_old: 'captured' = the
-    sampler's log-probs; 'recompute' = the update's own code, but with ONE pass (ppo_epochs == num_minibatches == 1)
-    the update's forward IS pi_old (old_logp stays None). pi_ref (adapter off): only for a KL term. Both come from the
-    first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1, KL > 0 at once)."""
+def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int, ref_weights: Optional[dict] = None) -> None:
+    """pi_old and pi_ref (for a KL term) of every row, no forward pass the update does not need. pi_old: 'captured' =
+    the sampler's; 'recompute' = the update's own code, but with ONE pass its forward IS pi_old (old_logp stays None).
+    Both from the first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1)."""
     kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
     if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
         return
@@ -524,8 +534,9 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int) -> None:
     for mb in minibatches(rows, cfg, step, epoch=0):
         if cfg.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.num_minibatches > 1):
             fill_logprobs(model, mb, attr="old_logp", **kw)
-        if cfg.kl_coef > 0:
-            fill_logprobs(model, mb, attr="ref_logp", base=True, **kw)
+        if cfg.kl_coef > 0:  # pi_ref, the policy RL starts from: the base (adapter off), or the warm start's adapter
+            ref = adapter_disabled(model) if ref_weights is None else adapter_weights(model, ref_weights)
+            fill_logprobs(model, mb, attr="ref_logp", policy=ref, **kw)
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
     """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
@@ -556,13 +567,11 @@ def make_optimizer(model, cfg: Config):
     """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
     def lr_lambda(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)  # 1.0 at the last step
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 # ======== 7. LLM engines: one interface that returns text, or a validated pydantic object ============
@@ -628,14 +637,12 @@ def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore]
     """fn() in a daemon thread once one of `slots` is free (None if that is after `deadline`, a time.monotonic()):
     its Future. Python cannot kill a thread but can stop waiting for one, and a daemon never blocks exit."""
     future: concurrent.futures.Future = concurrent.futures.Future()
-
     def work() -> None:
         with slots or contextlib.nullcontext():
             try:
                 future.set_result(fn() if time.monotonic() < deadline else None)
             except BaseException as e:  # re-raised by future.result(), in the waiting thread
                 future.set_exception(e)
-
     threading.Thread(target=work, daemon=True).start()
     return future
 
@@ -777,7 +784,6 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
         if limit and "const" not in node and "enum" not in node:  # a cap could make a fixed value impossible
             node.setdefault(*limit)
         return node
-
     spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
 
@@ -1191,7 +1197,6 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
                 "timed_out": False, "returncode": None}
 
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
-
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **kwargs), or TimeoutError after timeout_s (its thread is abandoned until its socket returns)."""
     try:
@@ -1204,7 +1209,6 @@ def _short_error(e: BaseException, max_chars: int = 300) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
 # --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key) or embeddings.
-
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
     whole in one of them: chunk_words("a b c d e", size=3, overlap=1) -> ['a b c', 'c d e']."""
@@ -1251,7 +1255,6 @@ def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: s
     return sorted(range(len(chunks)), key=lambda i: (-cosines[i], i))[:k]
 
 # --- Tool base class
-
 class Tool:
     """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). The
     knobs (these two, a subclass's own) are class defaults that keyword options override: Tool(engine, top_k=1)."""
@@ -1317,7 +1320,6 @@ class RAGTool(Tool):
                 f"Query: {query}\n\nPassages:\n{numbered}\n\nAnswer:")
 
 # --- Generalist: the LLM itself, answering step by step
-
 class GeneralistTool(Tool):
     name = "Generalist_Solution_Generator_Tool"
     description = "Answers a question or sub-task by step-by-step reasoning with a general-purpose language model."
@@ -1333,7 +1335,6 @@ class GeneralistTool(Tool):
         return self.engine.ask(prompt, max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
 # --- Python coder: the LLM writes a program, the sandbox runs it
-
 class PythonCoderTool(Tool):
     name = "Python_Coder_Tool"
     description = ("Writes a short Python program for a computational task, runs it in a sandbox and returns the "
@@ -1368,7 +1369,6 @@ class PythonCoderTool(Tool):
                 "error": "the program printed nothing; it must print the answer" if silent else result["error"]}
 
 # --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
-
 def _fetch_wikipedia_page(title: str) -> dict:
     """{"title", "url", "content"}, or {"title", "error"}; never raises. No auto_suggest: it may load another page."""
     try:
@@ -1509,7 +1509,6 @@ class WebRAGTool(RAGTool):
                                max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
 # --- Registry
-
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
 def read_corpus(path: str) -> dict[str, str]:
@@ -1723,7 +1722,6 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine,
         with MODEL_LOCK:  # a late frozen-role call waits: these samples are the policy's, adapter on
             return sample_actions(model, tokenizer, rendered, max_new_tokens=cfg.max_new_tokens,
                                   temperature=cfg.temperature, share_prefill=share_prefill)
-
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
                        tools=tools, **agent_options(cfg), timings=timings)
@@ -2104,11 +2102,9 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
     corpus = read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None  # a bad file fails before the model loads
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
-
     def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
         return probe_server(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
                                     phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
-
     frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
         if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
     frozen.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
@@ -2260,10 +2256,8 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
 def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
     """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
     c = agent_counts(states, tools)
-
     def rate(part: str, whole: str) -> float:  # 0 for an empty whole
         return c[part] / max(1, c[whole])
-
     return {"turns_per_traj": rate("turns", "questions"), "plan_parse_rate": rate("plans", "turns"),
             "tool_call_valid": rate("calls_valid", "calls"), "tool_error_rate": rate("tool_errors", "turns"),
             "structured_valid": rate("structured_valid", "structured"),
@@ -2302,8 +2296,8 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fr
     return kept_states[:n], kept_rewards[:n], c
 
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen: Engine, judge: Optional[Engine],
-               tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None
-               ) -> tuple[dict, list[AgentState], list[float]]:
+               tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None,
+               ref_weights: Optional[dict] = None) -> tuple[dict, list[AgentState], list[float]]:
     """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
     reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
     engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
@@ -2316,7 +2310,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
     t1 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
     with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
-        fill_old_and_ref(model, rows, cfg, step)
+        fill_old_and_ref(model, rows, cfg, step, ref_weights)
         upd = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
     metrics = {"step": step, "reward_mean": c["reward_sum"] / max(1, c["trajectories"]), **upd, "rows": len(rows),
@@ -2334,7 +2328,6 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
 class GracefulInterrupt:
     """First Ctrl-C or SIGTERM: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer),
     save, stop. Second: os._exit at once, waiting for nothing; what was saved is whole (logs and checkpoints)."""
-
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
         main = threading.current_thread() is threading.main_thread()
         self.requested = False
@@ -2422,6 +2415,13 @@ def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optio
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
             "eval_routes": result["routes"], "eval_s": time.perf_counter() - t0}
 
+def warm_start_weights(out_dir: Path, cfg: Config) -> Optional[dict]:
+    """pi_ref's adapter: the warm start's (checkpoint-0) when the run has one and a KL term; None: the base."""
+    path, used = out_dir / "checkpoint-0" / "adapter_model.safetensors", cfg.sft_steps > 0 and cfg.kl_coef > 0
+    if used and not path.is_file():
+        raise SystemExit(f"error: {path} (the warm start, pi_ref of the KL term) is missing; start a new run")
+    return load_file(str(path)) if used else None
+
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
     torch.manual_seed(cfg.seed)
@@ -2446,6 +2446,7 @@ def train(cfg: Config) -> Path:
     if cfg.sft_steps > 0 and last is None:
         sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
         last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
+    ref_weights = warm_start_weights(out_dir, cfg)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
@@ -2462,7 +2463,7 @@ def train(cfg: Config) -> Path:
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
             metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
-                                                  tools, cfg, step, data_rows)
+                                                  tools, cfg, step, data_rows, ref_weights)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(held_out())
             mf.write(json.dumps(metrics) + "\n")

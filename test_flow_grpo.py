@@ -36,6 +36,7 @@ import pytest
 import torch
 import wikipedia
 from pydantic import BaseModel
+from safetensors.torch import save_file
 
 import flow_grpo as fg
 import prepare_data
@@ -703,7 +704,7 @@ def test_ratio_is_one_before_the_first_update(tiny):
         else:  # the sampler's own log-probs against the update's forward pass: the real test
             for r in rows:
                 r.old_logp = r.logprobs
-        fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="ref_logp", base=True)
+        fg.fill_logprobs(model, rows, temperature=0.7, micro_batch_size=3, attr="ref_logp", policy=fg.adapter_disabled(model))
         model.zero_grad()
         _, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
         assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and stats["clip_frac"] == 0.0, mode
@@ -800,7 +801,7 @@ def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
             if explicit:
                 fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="old_logp")
             if explicit or kl_coef > 0:
-                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="ref_logp", base=True)
+                fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=3, attr="ref_logp", policy=fg.adapter_disabled(model))
             model.zero_grad()
             loss, stats = fg.minibatch_loss_and_backward(model, rows, cfg)
             results.append((loss, stats, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])))
@@ -822,7 +823,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, agg):
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="old_logp")
     for r in rows:  # make ratios != 1 so the clip is exercised too
         r.old_logp = r.old_logp + 0.3 * torch.randn(len(r.old_logp))
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="ref_logp", base=True)
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="ref_logp", policy=fg.adapter_disabled(model))
     grads = {}
     for micro in (6, 4, 1):
         cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=micro, agg=agg, kl_coef=0.1)
@@ -846,7 +847,7 @@ def test_one_update_changes_lora_and_not_base():
     samples = fg.sample_actions(model, tok, rendered(tok, ["q"] * 4), max_new_tokens=8, temperature=1.0)
     rows = make_rows(samples, [1.0, -1.0, 1.0, -1.0])
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="old_logp")
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="ref_logp", base=True)
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=4, attr="ref_logp", policy=fg.adapter_disabled(model))
     stats = fg.update_policy(model, opt, rows, cfg, step=1)
     assert stats["skipped_updates"] == 0
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
@@ -916,7 +917,7 @@ def test_non_finite_loss_or_gradient_skips_the_update(case, monkeypatch):
     samples = fg.sample_actions(model, tok, rendered(tok, ["q", "r"]), max_new_tokens=4, temperature=1.0)
     rows = make_rows(samples, [float("nan") if case == "nan_loss" else -1.0, 1.0])
     fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="old_logp")
-    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="ref_logp", base=True)
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="ref_logp", policy=fg.adapter_disabled(model))
     if case == "nan_loss":  # refused before backward(), not only by the gradient check after it
         assert fg.minibatch_loss_and_backward(model, rows, cfg) == (None, {})
     else:  # a finite loss whose gradient overflowed
@@ -4099,6 +4100,36 @@ def test_a_step_without_signal_costs_no_pass_and_leaves_the_weights(tiny, monkey
         assert passes  # with a KL term a zero advantage still has a gradient: pi_ref is computed
     finally:
         handle.remove()
+
+
+def test_pi_ref_is_the_warm_start_swapped_in_and_the_trained_adapter_comes_back_unchanged(tmp_path):
+    from peft import get_peft_model_state_dict
+    model, tok = fresh_tiny()
+    cfg = fg.Config(model="tiny", device="cpu", micro_batch_size=2, kl_coef=0.1, sft_steps=1, temperature=1.0)
+    warm = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    (tmp_path / "checkpoint-0").mkdir()
+    save_file(warm, str(tmp_path / "checkpoint-0" / "adapter_model.safetensors"))
+    ref_weights = fg.warm_start_weights(tmp_path, cfg)
+    samples = fg.sample_actions(model, tok, rendered(tok, ["q", "r"]), max_new_tokens=6, temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0])
+    fg.fill_old_and_ref(model, rows, cfg, step=1, ref_weights=ref_weights)
+    assert all(torch.allclose(r.ref_logp, s.logprobs, atol=1e-5) for r, s in zip(rows, samples))  # pi_ref == pi_theta
+    with torch.no_grad():  # RL moves the adapter: pi_ref must stay the warm start, and the moved weights survive
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05)
+    moved = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    rows = make_rows(samples, [1.0, -1.0])
+    fg.fill_old_and_ref(model, rows, cfg, step=1, ref_weights=ref_weights)
+    assert all(torch.allclose(r.ref_logp, s.logprobs, atol=1e-5) for r, s in zip(rows, samples))
+    assert all(torch.equal(p, moved[n]) for n, p in model.named_parameters() if "lora_" in n)
+    base_rows = make_rows(samples, [1.0, -1.0])  # without a warm start pi_ref is the base: other log-probs
+    fg.fill_old_and_ref(model, base_rows, cfg, step=1)
+    assert not all(torch.allclose(a.ref_logp, b.ref_logp, atol=1e-3) for a, b in zip(rows, base_rows))
+    assert fg.warm_start_weights(tmp_path, dataclasses.replace(cfg, sft_steps=0)) is None
+    (tmp_path / "checkpoint-0" / "adapter_model.safetensors").unlink()
+    with pytest.raises(SystemExit, match="^error: .*checkpoint-0"):
+        fg.warm_start_weights(tmp_path, cfg)
 
 
 def test_dynamic_sampling_keeps_groups_with_variance_and_bounds_the_tries(monkeypatch):
