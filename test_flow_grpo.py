@@ -4123,6 +4123,8 @@ def test_pi_ref_is_the_warm_start_swapped_in_and_the_trained_adapter_comes_back_
     fg.fill_old_and_ref(model, rows, cfg, step=1, ref_weights=ref_weights)
     assert all(torch.allclose(r.ref_logp, s.logprobs, atol=1e-5) for r, s in zip(rows, samples))
     assert all(torch.equal(p, moved[n]) for n, p in model.named_parameters() if "lora_" in n)
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=2, attr="old_logp")  # the moved policy differs
+    assert not all(torch.allclose(r.old_logp, s.logprobs, atol=1e-3) for r, s in zip(rows, samples))
     base_rows = make_rows(samples, [1.0, -1.0])  # without a warm start pi_ref is the base: other log-probs
     fg.fill_old_and_ref(model, base_rows, cfg, step=1)
     assert not all(torch.allclose(a.ref_logp, b.ref_logp, atol=1e-3) for a, b in zip(rows, base_rows))
