@@ -564,9 +564,9 @@ def build_sample(seed: int = 42, max_samples: int | None = None):
 # question and IN WHAT ORDER:
 #   arithmetic  "What is 37 * 91?"                  -> Python (a 135M model
 #               guesses products wrong but writes print(37 * 91) easily)
-#   lookup      "How many bridges does Vorlund have?" -> Wikipedia over the
+#   lookup      "What is the elevation of Vorlund?"  -> Wikipedia over the
 #               offline corpus (the facts are invented: no model knows them)
-#   compound    "... Vorlund have, plus 250?"        -> Wikipedia, then Python
+#   compound    "... of Vorlund, plus 250?"          -> Wikipedia, then Python
 # The corpus is a world of invented towns with three numeric facts each; it
 # is the Wikipedia tool's world, shared by training and held-out questions.
 # Held out are new question instances: new operands, and (town, fact) pairs
@@ -583,8 +583,8 @@ ARITHMETIC_TEMPLATES = (  # (question template, operation, range of a, range of 
 FACTS = (
     ("population", "{name} has a population of {v}.", "What is the population of {name}", (1000, 9999)),
     ("founded", "{name} was founded in the year {v}.", "What is the founding year of {name}", (1100, 1899)),
-    ("bridges", "{name} has {v} bridges.", "How many bridges does {name} have", (11, 99)),
-)
+    ("elevation", "{name} lies at an elevation of {v} metres.", "What is the elevation of {name}", (11, 99)),
+)  # not "{name} has {v} bridges": SmolLM2's tool reader answered that with the population (README, headroom)
 SYLLABLES = ("vor", "lund", "kes", "sim", "ar", "tav", "rin", "mol", "dra", "zen", "bri", "os", "fal", "gor", "quil",
              "wex", "ply", "sor", "nev", "ul", "tam", "brek", "hul", "yst")
 
