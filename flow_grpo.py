@@ -1312,12 +1312,13 @@ class RAGTool(Tool):
         return bm25_top_k(query, chunks, self.top_k)
 
     def grounded_prompt(self, query: str, text: str, source: str, if_unanswered: str = "say so") -> str:
-        """Answer from the best passages of `text` only, numbered so that the answer can refer to them."""
+        """Answer from the best passages of `text` only, numbered so that the answer can refer to them. The query
+        last, next to "Answer:": with it first, a small reader tends to write what it believes about the title."""
         chunks = chunk_words(text, self.chunk_size, self.chunk_overlap)
         numbered = "\n\n".join(f"[{n}] {chunks[i]}" for n, i in enumerate(self.rank(query, chunks), start=1))
         return (f"Answer the query using ONLY the passages below from {source}. Keep exact names, numbers and dates. "
                 f"If the passages do not answer the query, {if_unanswered}.\n\n"
-                f"Query: {query}\n\nPassages:\n{numbered}\n\nAnswer:")
+                f"Passages:\n{numbered}\n\nQuery: {query}\nAnswer:")
 
 # --- Generalist: the LLM itself, answering step by step
 class GeneralistTool(Tool):
