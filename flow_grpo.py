@@ -218,8 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: Optional[list[str]] = None) -> Config:
     """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
-    parser = build_parser()
-    typed = vars(parser.parse_args(argv))
+    typed = vars((parser := build_parser()).parse_args(argv))
     cfg = Config(**{**PRESETS.get(typed.get("preset", ""), {}), **typed})
     modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
     if len(modes) > 1:
@@ -1941,8 +1940,8 @@ def as_interval(text: str) -> str:
 def claimed(pred: str, gold: str) -> bool:
     """The last sentence of pred states gold (answers_match without math-verify) right after one of LINKS, or
     first and before one of VERBS: 'The largest planet is Jupiter.' Not when HEDGES finds a word outside it ('not',
-    'or', 'and', 'at most'; for a number, another number), nor when the next word makes a longer name ('Paris,
-    Texas', 'Jupiter Ascending', 'Everest base camp', "Jefferson's"); a number may take a unit ('206 bones')."""
+    'or', 'and', 'at most'; for a number, another number, save operands before a verb: 'A plus 4 is 9.'), nor when
+    the next word makes a longer name ('Paris, Texas', 'Everest base camp', "Jefferson's"); '206 bones' is 206."""
     said = re.split(r"(?<=[a-z0-9)\]}][.!?])\s+", pred)  # '. ' ends a sentence, 'F. Scott' does not
     words, asked = said[-1].split(), len(said) > 1 and said[-2][-1] == "?"  # 'Who wrote it? Ernest Hemingway.'
     if pred.endswith("?") or len(words) > 40:  # a question claims nothing; a long sentence is for the LLM judge
@@ -1954,7 +1953,8 @@ def claimed(pred: str, gold: str) -> bool:
         if not i and core[0] == "no" and words[0][-1] == ",":  # 'No, it does not converge': its 'not' agrees, but
             outside = re.sub(r"\b(?:not|never)\b|n't\b", "", outside).replace("yes", "no")  # 'No, yes' takes it back
         linked = core[i - 1] in LINKS or number and core[i - 1] == "of"  # 'of' for numbers: 'a population of 2894.'
-        if i and not linked or HEDGES.search(outside) or number and re.search(r"\d", outside):
+        rival = " ".join(core[j:]) if i and core[i - 1] in VERBS else outside  # 'A, plus 464, is 3358': operands
+        if i and not linked or HEDGES.search(outside) or number and re.search(r"\d", rival):
             continue
         last, after = words[j - 1], core[j]
         if not i:  # first: a verb follows ('Jupiter is ...'), a comma after yes/no ('Yes, it converges'), or alone

@@ -2866,6 +2866,11 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>Not really.</answer>", "No", "mathhard", 0.0),
     ("<answer>Yes, no.</answer>", "Yes", "mathhard", 0.0),
     ("<answer>Yes, it does not converge.</answer>", "No", "mathhard", 0.0),
+    # a computed number that ends the sentence after a verb; other numbers before it are its operands
+    ("<answer>The population of Rinsorar, plus 464 is 3358.</answer>", "3358", "nq", 1.0),
+    ("<answer>The population of Rinsorar, plus 464 is 3358.</answer>", "464", "nq", 0.0),
+    ("<answer>The population of Rinsorar is 2894, plus 464.</answer>", "2894", "nq", 0.0),
+    ("<answer>The population plus 464 is 3358 or 3359.</answer>", "3358", "nq", 0.0),
 ])
 def test_rule_reward_reads_sentence_answers(answer, truth, source, expected):
     fg.math_verify_equal("1", "1")  # the worker's start (imports) is not the judge's time
