@@ -180,14 +180,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: arithmetic -> Python, lookups -> Wikipedia (two-turn compound
-    # questions are out of a 135M model's reach: README). No KL: one to the warm start did not end better (README).
-    # Small lr: Adam's first steps move every weight by ~lr. 6 groups of 4: more questions per step, same rows. 24
-    # tool workers: all tool calls' LLM requests in one batch. Micro-batches of 2: CPU attention holds [R, H, P, P].
+    # questions are beyond a 135M model: README). KL 0.3 to the warm start: without it the updates move all questions'
+    # tool choice together, to one tool (README). Small lr: Adam's first steps move each weight by ~lr. 24 tool
+    # workers: one LLM batch for all tool calls. Micro-batches of 2: CPU attention holds [R, H, P, P].
     "cpu": dict(model="smollm2-135m", device="cpu", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
-                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.0,
+                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.3,
                 lr=3e-5, warmup_steps=0, max_steps=12, save_every=4, sft_steps=16, sft_lr=1e-3, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=4, eval_limit=24, output_dir="runs/cpu"),
 }
