@@ -4021,6 +4021,7 @@ def test_tools_task_is_seeded_computed_from_the_corpus_and_held_out(tmp_path, mo
     monkeypatch.chdir(tmp_path)  # the cpu preset writes its own files on first use, and only those
     cfg = fg.parse_config(["--preset", "cpu"])
     assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0.3 and cfg.device == "cpu"
+    assert fg.parse_config(["--preset", "cpu", "--device", "cuda"]).dtype == "float32"  # bf16 would round updates away
     fg.ensure_sample_data(cfg)
     assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
     assert len(fg.read_corpus(cfg.wiki_corpus)) == 80
