@@ -181,8 +181,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia (compound questions: README).
     # KL 0.3 to the warm start brakes the drift to one tool that each update pushes (README). Small lr: Adam's first
-    # steps move each weight by ~lr, and float32 (on a GPU too) keeps such small updates. 6 groups of 4: more questions
-    # per step. 24 tool workers: one LLM batch. Micro-batches of 2: CPU attention holds [R, H, P, P].
+    # steps move each weight by ~lr; float32 on a GPU too, as bf16 rounds away outputs that change this little.
+    # 6 groups of 4: more questions per step. 24 tool workers: one LLM batch. Micro-batches of 2: attention [R,H,P,P].
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
