@@ -27,7 +27,7 @@ from: the base (the LoRA adapter switched off) or, after an SFT warm start, the 
 
 WHERE THE ALGORITHM IS. Sections 3 to 6, right after the config, are Flow-GRPO itself: torch and a model, no agent.
     3  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
-    3  action_logprobs    the same log-probs recomputed in one batched, differentiable forward pass
+    3  action_logprobs    the same log-probs recomputed, batched and differentiable (each distinct prompt once)
     4  group_advantages   A_i from the rewards of each group of G trajectories
     5  grpo_loss          clipped ratio (with verl's dual clip), k3 KL, three aggregations of the token losses
     6  update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
@@ -35,7 +35,7 @@ WHERE THE ALGORITHM IS. Sections 3 to 6, right after the config, are Flow-GRPO i
   11 the agent loop; 12 the rollout (agent + sampler: one training row per planner turn), 13 the reward, 14 the
   training loop and checkpoints, 15 evaluation and the command line.
   Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary,
-  L columns (prompt and action tokens); in sample_actions U distinct prompts and R the rows still decoding.
+  L columns (prompt and action tokens), U distinct prompts; in sample_actions R the rows still decoding.
 
 SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its groups have no reward variance:
 --sft-steps N first fits format-only plans, each question with every tool (cross-entropy); GRPO then learns WHICH.
@@ -180,16 +180,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia (compound questions: README).
-    # KL 0.3 to the warm start brakes the drift to one tool that each update pushes (README). Small lr: Adam's first
-    # steps move each weight by ~lr; float32 on a GPU too, as bf16 rounds away outputs that change this little.
-    # 6 groups of 4: more questions per step. 24 tool workers: one LLM batch. Micro-batches of 2: attention [R,H,P,P].
+    # KL 0.3 to the warm start brakes the drift to one tool that each update pushes; 24 steps, as a 12-step cosine
+    # decays the lr before the kinds split (README). Small lr: Adam's first steps move each weight by ~lr; float32 on
+    # a GPU too, as bf16 rounds such small changes away. 6 groups of 4, a group per micro-batch (its prompt runs once).
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
-                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=2, temperature=1.0, kl_coef=0.3,
-                lr=3e-5, warmup_steps=0, max_steps=12, save_every=4, sft_steps=16, sft_lr=1e-3, tool_timeout_s=5.0,
-                tool_workers=24, eval_every=4, eval_limit=24, output_dir="runs/cpu"),
+                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
+                lr=3e-5, warmup_steps=0, max_steps=24, save_every=6, sft_steps=16, sft_lr=1e-3, tool_timeout_s=5.0,
+                tool_workers=24, eval_every=6, eval_limit=24, output_dir="runs/cpu"),
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
@@ -332,25 +332,32 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
-    """Each action's log-probs under `model` (1-D tensors), recomputed in one batched, differentiable forward pass.
-    Rows are laid out [left-padded prompt | right-padded action], so every action starts in column P:
-        [[pad, p0, p1 | a0, a1, pad],
-         [q0,  q1, q2 | b0, b1, b2 ]]
-    The token in column P+j is predicted by the logits of column P+j-1: we need the logits of the last A+1 columns
-    but the very last. `logits_to_keep` applies the LM head to those only (full-sequence logits of a long prompt over
-    a big vocabulary would not fit). The pad id is irrelevant: the mask comes from lengths; padded logits go unread."""
+    """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. The U DISTINCT
+    prompts (a group's rows share their turn-1 prompt) run once, left-padded; their KV cache is indexed to the B rows
+    (src_B = [0, 0, 1]: rows 0 and 1 share prompt 0; autograd sums the copies' gradients), and the actions run after
+    it, right-padded: token j is predicted by the column before it (the prompt's last for j = 0). Pads are masked
+    (their id is irrelevant), their logits unread. Gradient checkpointing keeps no KV cache: each row runs whole."""
     device = next(model.parameters()).device
-    B, P, A = len(prompt_ids_list), max(len(p) for p in prompt_ids_list), max(len(a) for a in action_ids_list)
-    ids_BL, mask_BL = (torch.zeros(B, P + A, dtype=torch.long) for _ in range(2))
-    for b, (p, a) in enumerate(zip(prompt_ids_list, action_ids_list)):
-        ids_BL[b, P - len(p):P], mask_BL[b, P - len(p):P] = p, 1
-        ids_BL[b, P:P + len(a)], mask_BL[b, P:P + len(a)] = a, 1
-    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
-    pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
-    logits_BAV = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, logits_to_keep=A + 1,
-                       use_cache=False).logits[:, :-1]  # no KV cache: nothing is generated after this pass
+    keys = [tuple(p.tolist()) for p in prompt_ids_list]
+    distinct = list(dict.fromkeys(keys))
+    src_B = torch.tensor([distinct.index(k) for k in keys], device=device)
+    P, A = max(map(len, distinct)), max(len(a) for a in action_ids_list)
+    ids_UP = torch.tensor([[0] * (P - len(p)) + list(p) for p in distinct], device=device)
+    mask_UP = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in distinct], device=device)
+    ids_BA = torch.tensor([a.tolist() + [0] * (A - len(a)) for a in action_ids_list], device=device)
+    mask_BA = torch.tensor([[1] * len(a) + [0] * (A - len(a)) for a in action_ids_list], device=device)
+    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
+    pos_BA, mask_BL = pos_UP[src_B, -1:] + 1 + torch.arange(A, device=device), torch.cat([mask_UP[src_B], mask_BA], 1)
+    if not getattr(model, "is_gradient_checkpointing", False):
+        out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
+        out.cache.batch_select_indices(src_B)  # row b's copy of its prompt's keys and values
+        after = model(input_ids=ids_BA, attention_mask=mask_BL, position_ids=pos_BA, cache=out.cache, use_cache=True)
+        logits_BAV = torch.cat([out.logits[src_B], after.logits[:, :-1]], dim=1)
+    else:
+        logits_BAV = model(input_ids=torch.cat([ids_UP[src_B], ids_BA], 1), attention_mask=mask_BL, use_cache=False,
+                           position_ids=torch.cat([pos_UP[src_B], pos_BA], 1), logits_to_keep=A + 1).logits[:, :-1]
     logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-    logp_BA = logp_BAV.gather(-1, ids_BL[:, P:, None]).squeeze(-1)
+    logp_BA = logp_BAV.gather(-1, ids_BA[:, :, None]).squeeze(-1)
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
 
 # ======== 4. Group advantages ========================================================================
@@ -655,8 +662,7 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
         done, pending = concurrent.futures.wait(futures, timeout=min(left, progress_s))
         if not pending:
             break
-        log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s "
-            f"(the rest is abandoned at {timeout_s:.0f} s)")
+        log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s of {timeout_s:.0f} s")
     return [f.result() if f.done() and not f.exception() else None for f in futures]
 
 class OpenAIEngine(Engine):
@@ -2306,10 +2312,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
     before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
     states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
                                        timings)
-    group_ids = [i // G for i in range(len(states))]
-    rows = build_rows(states, rewards, group_ids, cfg.adv_scale, cfg.adv_unit)
-    t1 = time.perf_counter()
-    lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
+    rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)  # group ids
+    t1, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
     with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
         fill_old_and_ref(model, rows, cfg, step, ref_weights)
         upd = update_policy(model, optimizer, rows, cfg, step)
@@ -2573,22 +2577,19 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
 
 def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     """Useful tokens/s (up to the first stop) of sample_actions vs generate() under the same law (softmax(logits / T)),
-    on the prompts as the trainer samples them (G copies: prefilled once). The prefill is timed as a 1-token run."""
+    on the prompts as the trainer samples them (G copies: prefilled once)."""
     stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
     t0 = time.perf_counter()
-    sample_actions(model, tokenizer, prompts, max_new_tokens=1, temperature=T)
-    t1 = time.perf_counter()
     tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
-    t2 = time.perf_counter()
+    t1 = time.perf_counter()
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0, max_new_tokens=n,
                          repetition_penalty=1.0, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
     gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
                      for row in new[:, enc["input_ids"].shape[1]:].tolist())
-    loop, gen = tokens / (t2 - t1), gen_tokens / (time.perf_counter() - t2)  # decode = the n-token run - its prefill
+    loop, gen = tokens / (t1 - t0), gen_tokens / (time.perf_counter() - t1)
     print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
-          f"{loop:.1f} tok/s (prefill {t1 - t0:.2f}s, decode {max(0.0, t2 - t1 - (t1 - t0)):.2f}s) vs generate() "
-          f"{gen:.1f} tok/s ({loop / gen:.2f}x)")
+          f"{loop:.1f} tok/s vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark: rollouts, each phase split into the model's forward passes (hooks, GPU waited for) and the rest."""
@@ -2600,8 +2601,7 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     core.register_forward_hook(lambda *_: sync() or usage(forward_s=time.perf_counter() - t0.pop()) and None)  # (a
     # hook that returned something would replace the model's output)
     rollout(model, tokenizer, questions[:1], cfg, frozen, tools, group_size=1)  # warm-up: first calls pay one-off costs
-    print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, {cfg.max_new_tokens} planner "
-          f"tokens, model {cfg.model} on {device}")
+    print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, model {cfg.model} on {device}")
     _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools), cfg)
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:

@@ -433,6 +433,34 @@ def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(t
     assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
 
 
+def test_action_logprobs_shares_prompts_with_the_log_probs_and_gradients_of_separate_rows():
+    """Rows with the same prompt run it once (its KV cache indexed to them): log-probs and gradients must equal the
+    one-pass [prompt | action] layout, which gradient checkpointing uses and which runs every row's prompt again."""
+    cfg = fg.parse_config(["--preset", "smoke", "--seed", "3"])
+    model = fg.load_policy(cfg, "cpu", trainable=True)[0]
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    p = [torch.randint(5, 100, (n,), generator=g) for n in (7, 12, 9)]
+    prompts, actions = [p[0], p[0], p[1], p[2], p[1]], [torch.randint(5, 100, (n,), generator=g) for n in (3, 5, 1, 4, 2)]
+    runs = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        assert getattr(model, "is_gradient_checkpointing", False) == checkpointing
+        model.zero_grad()
+        logps = fg.action_logprobs(model, prompts, actions, temperature=0.7)
+        sum((i + 1) * lp.sum() for i, lp in enumerate(logps)).backward()  # a different weight per row
+        runs.append((logps, [q.grad.clone() for q in model.parameters() if q.requires_grad]))
+    (shared, g_shared), (alone, g_alone) = runs
+    assert [len(x) for x in shared] == [len(a) for a in actions]
+    for s, a in zip(shared, alone):
+        assert torch.allclose(s, a, atol=1e-5), (s - a).abs().max()
+    assert max(x.abs().max() for x in g_alone) > 0.1
+    for s, a in zip(g_shared, g_alone):
+        assert torch.allclose(s, a, atol=1e-4, rtol=1e-4), (s - a).abs().max()
+
+
 def update_peak_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, vocab: int = 151_936) -> float:
     """Peak RSS growth in MB of one forward+backward giving an action's log-probs at a real vocabulary size ('naive':
     full-sequence logits and log-softmax; 'ours': fg.action_logprobs). Run it in a fresh process: peak RSS never
@@ -4021,6 +4049,7 @@ def test_tools_task_is_seeded_computed_from_the_corpus_and_held_out(tmp_path, mo
     monkeypatch.chdir(tmp_path)  # the cpu preset writes its own files on first use, and only those
     cfg = fg.parse_config(["--preset", "cpu"])
     assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0.3 and cfg.device == "cpu"
+    assert cfg.micro_batch_size % cfg.group_size == 0  # a group per micro-batch: its prompt runs once
     assert fg.parse_config(["--preset", "cpu", "--device", "cuda"]).dtype == "float32"  # bf16 would round updates away
     fg.ensure_sample_data(cfg)
     assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
