@@ -333,10 +333,10 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
     """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. The U DISTINCT
-    prompts (a group's rows share their turn-1 prompt) run once, left-padded; their KV cache is indexed to the B rows
-    (src_B = [0, 0, 1]: rows 0 and 1 share prompt 0; autograd sums the copies' gradients), and the actions run after
-    it, right-padded: token j is predicted by the column before it (the prompt's last for j = 0). Pads are masked
-    (their id is irrelevant), their logits unread. Gradient checkpointing keeps no KV cache: each row runs whole."""
+    prompts (a group's rows share their turn-1 prompt) run once, left-padded, their KV cache indexed to the B rows by
+    src_B (autograd sums the copies' gradients back); the right-padded actions follow. Token j is predicted by the
+    column before it: the prompt's last for j = 0, its only column with logits (a long prompt's would not fit). Pads
+    are masked, their id irrelevant, their logits unread. Gradient checkpointing keeps no KV cache: rows run whole."""
     device = next(model.parameters()).device
     keys = [tuple(p.tolist()) for p in prompt_ids_list]
     distinct = list(dict.fromkeys(keys))
@@ -2312,7 +2312,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
     before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
     states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
                                        timings)
-    rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)  # group ids
+    rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)
     t1, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
     with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
         fill_old_and_ref(model, rows, cfg, step, ref_weights)

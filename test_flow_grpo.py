@@ -441,8 +441,11 @@ def test_action_logprobs_shares_prompts_with_the_log_probs_and_gradients_of_sepa
     model.train()
     g = torch.Generator().manual_seed(1)
     p = [torch.randint(5, 100, (n,), generator=g) for n in (7, 12, 9)]
-    prompts, actions = [p[0], p[0], p[1], p[2], p[1]], [torch.randint(5, 100, (n,), generator=g) for n in (3, 5, 1, 4, 2)]
-    runs = []
+    prompts = [p[0], p[0], p[1], p[2], p[1]]
+    actions = [torch.randint(5, 100, (n,), generator=g) for n in (3, 5, 1, 4, 2)]
+    runs, shapes = [], []  # the [rows, columns] of every forward pass
+    model.get_base_model().register_forward_pre_hook(lambda _, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                                     with_kwargs=True)
     for checkpointing in (False, True):
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -452,6 +455,7 @@ def test_action_logprobs_shares_prompts_with_the_log_probs_and_gradients_of_sepa
         logps = fg.action_logprobs(model, prompts, actions, temperature=0.7)
         sum((i + 1) * lp.sum() for i, lp in enumerate(logps)).backward()  # a different weight per row
         runs.append((logps, [q.grad.clone() for q in model.parameters() if q.requires_grad]))
+    assert shapes == [(3, 12), (5, 5), (5, 17)]  # 3 distinct prompts once, then 5 actions; checkpointed: 5 whole rows
     (shared, g_shared), (alone, g_alone) = runs
     assert [len(x) for x in shared] == [len(a) for a in actions]
     for s, a in zip(shared, alone):
