@@ -73,10 +73,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 # transformers, peft, openai and pandas are imported where they are used: `--help` and single-piece tests start fast.
-import llguidance
-import requests
-import torch
-import wikipedia
+import llguidance, requests, torch, wikipedia
 from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from safetensors.torch import load_file
@@ -126,6 +123,7 @@ class Config:
     eval_limit: int = option(0, "evaluate on the first N validation questions only (0 = all)")
     kinds: str = option("", "train and evaluate on these kinds only (the 'source' column: 'arithmetic,lookup')")
     eval_every: int = option(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
+    plan_tools: str = option("", "--eval of a scripted planner: tool A at turn 1, B at 2 ('A,B'): what a plan can win")
     wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
     tools: str = option("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
@@ -166,7 +164,7 @@ class Config:
     lora_dropout: float = option(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
     lora_targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
     sft_steps: int = option(0, "SFT warm start: steps on format-only plans (every tool per question) before GRPO")
-    sft_lr: float = option(1e-4, "learning rate of the SFT warm start (its own AdamW, constant)")
+    sft_lr: float = option(1e-4, "learning rate of the SFT warm start (its own AdamW, decayed linearly to 0)")
     # --- bookkeeping ---
     seed: int = option(42, "seed of data order, sampling and initialisation")
     output_dir: str = option("runs/flow_grpo", "metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here")
@@ -226,6 +224,8 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     known = Config.tools.split(",")  # the default enables every tool there is
     if not tool_names(cfg) or any(t not in known for t in tool_names(cfg)):
         parser.error(f"--tools must name one or more of {known}, not {cfg.tools!r}")
+    if cfg.plan_tools and (not cfg.eval or any(t not in tool_names(cfg) for t in cfg.plan_tools.split(","))):
+        parser.error(f"--plan-tools is for --eval, with tools of --tools {tool_names(cfg)}, not {cfg.plan_tools!r}")
     for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps", "dynamic_sampling"):
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
@@ -300,9 +300,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
     pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-    cache = out.cache
+    logits_RV, mask_RL, next_pos_R, cache = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1, out.cache
     cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
-    logits_RV, mask_RL, next_pos_R = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1
     rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
     tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
     length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
@@ -325,10 +324,9 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     usage(gen_tokens=int(length_B.sum()), hit_limit=int(going_R.sum()))  # rows still going hit the limit
     tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
     prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
-    actions = [tok_BA[b, :n] for b, n in enumerate(length_B.tolist())]
-    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=a, logprobs=logp_BA[b, :len(a)],
-                   text=tokenizer.decode(a, skip_special_tokens=True))
-            for b, (u, a) in enumerate(zip(src_B.tolist(), actions))]
+    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=tok_BA[b, :n], logprobs=logp_BA[b, :n],
+                   text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True))
+            for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
@@ -759,8 +757,7 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    core = Tokenizer(models.BPE())
+    specials, core = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # from the 256 bytes: any text encodes
     core.decoder = decoders.ByteLevel()
     core.train_from_iterator([TINY_CORPUS] * 4, trainer=trainers.BpeTrainer(
@@ -851,9 +848,8 @@ class LocalEngine(Engine):
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
         self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
-        self.max_tokens, self.batch_size = max_tokens, batch_size
+        self.max_tokens, self.batch_size, self._queue_lock = max_tokens, batch_size, threading.Lock()
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
-        self._queue_lock = threading.Lock()
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use
 
     def _complete(self, prompts, max_tokens, schema):
@@ -910,9 +906,8 @@ class LocalEngine(Engine):
                 stop_BL = torch.isin(new_BL, torch.tensor(self.model.generation_config.eos_token_id, device=ids.device))
                 usage(gen_tokens=int(torch.where(stop_BL.any(1), stop_BL.int().argmax(1) + 1, new_BL.shape[1]).sum()),
                       hit_limit=int((~stop_BL.any(1)).sum()))
-                texts = self.tokenizer.batch_decode(new_BL, skip_special_tokens=True)
                 outs += [t if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
-                         for r, t in enumerate(texts)]
+                         for r, t in enumerate(self.tokenizer.batch_decode(new_BL, skip_special_tokens=True))]
         return outs
 
 # ======== 8. Structured outputs: what each role must answer ==========================================
@@ -1869,8 +1864,7 @@ for line in sys.stdin:
     same = bool(parsed[0] and parsed[1]) and verify(*parsed, float_rounding=15, timeout_seconds=None)  # not 6:
     print(int(same), file=out, flush=True)  # else 1.414214 would be sqrt(2), though 0.33 is not 1/3
 """
-_math_worker: dict = {}  # "proc": the running worker; calls from several threads take turns (_math_lock)
-_math_lock = threading.Lock()
+_math_worker, _math_lock = {}, threading.Lock()  # "proc": the running worker; calls from threads take turns on the lock
 
 def math_verify_equal(gold: str, pred: str) -> bool:
     """MATH_WORKER's verdict, or False after SYMPY_TIMEOUT_S."""
@@ -2064,9 +2058,8 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         if cfg.load_in_4bit:
             if device != "cuda":
                 raise SystemExit("error: --load-in-4bit needs a CUDA GPU (bitsandbytes 4-bit kernels)")
-            kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=dtype))
+            kwargs.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+                bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype))
         try:  # offline, a typo, a gated repo, a folder or file that holds no model: one line, not a traceback
             name = resolve_model(cfg.model)
             tokenizer, model = AutoTokenizer.from_pretrained(name), AutoModelForCausalLM.from_pretrained(name, **kwargs)
@@ -2146,12 +2139,10 @@ def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int
     n, first = len(kinds), (step - 1) * size  # rows drawn before this step
     epochs = {}
     for e in range(first // n, (first + size - 1) // n + 1):
-        by_kind: dict[str, list[int]] = {}
-        for i, kind in enumerate(kinds):
-            by_kind.setdefault(kind, []).append(i)
-        for rows in by_kind.values():
+        by_kind = group_members(kinds)  # each kind's row indices, kinds in order of first appearance
+        for rows in by_kind:
             random.Random(seed + e).shuffle(rows)
-        epochs[e] = [i for dealt in itertools.zip_longest(*by_kind.values()) for i in dealt if i is not None]
+        epochs[e] = [i for dealt in itertools.zip_longest(*by_kind) for i in dealt if i is not None]
     return [epochs[k // n][k % n] for k in range(first, first + size)]
 
 def run_settings(cfg: Config, train_data: str = "") -> dict:
@@ -2199,11 +2190,10 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     scheduler.load_state_dict(state["scheduler"])
     for group in optimizer.param_groups:  # the step's lr under THIS run's schedule: --max-steps may have changed
         group["lr"] = group["initial_lr"] * scheduler.lr_lambdas[0](scheduler.last_epoch)
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     log(f"resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
@@ -2252,8 +2242,7 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
         c.update(f"tool:{t.plan.tool_name}" for t in asked)
-        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]  # all asked
-        structured = 1 + len(asked) + verdicts
+        structured = 1 + len(asked) + sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
         failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
         c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
                  calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],
@@ -2292,11 +2281,10 @@ def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], fr
         states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
         c.update(rollouts=1, groups=len(batch), flat_groups=zero_std_frac(rewards, [i // G for i in range(len(states))])
                  * len(batch), judge_fallbacks=fallbacks, trajectories=len(states), reward_sum=sum(rewards))
-        for g in range(len(batch)):
-            group_states, group_rewards = states[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G]
-            if cfg.dynamic_sampling == 0 or max(group_rewards) > min(group_rewards):
-                kept_states += group_states
-                kept_rewards += group_rewards
+        for g in range(0, len(states), G):
+            if cfg.dynamic_sampling == 0 or max(rewards[g:g + G]) > min(rewards[g:g + G]):
+                kept_states += states[g:g + G]
+                kept_rewards += rewards[g:g + G]
         if len(kept_states) >= cfg.batch_size * G:
             break
     n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
@@ -2308,7 +2296,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
     """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
     reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
     engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
-    G, timings, t0 = cfg.group_size, {}, time.perf_counter()
+    G, timings, t0, phases = cfg.group_size, {}, time.perf_counter(), ("planner", "fixed", "tools")
     before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
     states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
                                        timings)
@@ -2323,9 +2311,8 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
                "kept_groups": len(states) // G, **trajectory_metrics(states, tools),
                "judge_fallbacks": c["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
                "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
-               **{f"time_{k}_s": timings.get(k, 0.0) for k in ("planner", "fixed", "tools")},
-               **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit")
-                  for k in ("planner", "fixed", "tools")},
+               **{f"time_{k}_s": timings.get(k, 0.0) for k in phases},
+               **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit") for k in phases},
                "engine_requests": sum(e.requests for e in engines) - before[0],
                "engine_failures": sum(e.failures for e in engines) - before[1]}
     return metrics, states, rewards
@@ -2460,7 +2447,6 @@ def train(cfg: Config) -> Path:
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
         with open(out_dir / "metrics.jsonl", "a") as mf:
             mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
-
     with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
             open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf, \
             tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
@@ -2520,14 +2506,27 @@ def build_agent(cfg: Config, device: str):
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=False)
     return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
 
+def scripted_planner(names: list[str]) -> Callable[[list[str]], list[str]]:
+    """--plan-tools A,B: a planner that names tool A at turn 1, B at turn 2 (and the last one after), with the
+    question as sub-goal (the format-only plan), both read back from the text that planner_prompt wrote."""
+    def plan(prompts: list[str]) -> list[str]:
+        out = []
+        for p in prompts:  # (the question may hold blank lines; the memory, text that looks like a step line)
+            question = re.search(r"\n\nQuestion: (.*?)\n\n(?:Query analysis: .*?\n\n)?Available tools:\n", p, re.S)[1]
+            turn = int(re.findall(r"This is step (\d+) of at most \d+\.", p)[-1])
+            out.append(json.dumps({"sub_goal": question, "tool_name": names[min(turn, len(names)) - 1]}))
+        return out
+    return plan
+
 def evaluate(cfg: Config, device: str) -> dict:
     """--eval: greedy solve of the validation set in batches of B x G; the LAST stdout line counts what happened."""
     rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds)
     frozen, tools, judge, planner = build_agent(cfg, device)
     t0 = time.perf_counter()
-    result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+    plan = scripted_planner(cfg.plan_tools.split(",")) if cfg.plan_tools else planner.generate
+    result = greedy_eval(plan, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     c = result["counts"]
-    print(f"{cfg.val_file}, planner {cfg.adapter or '(base model)'}, plans per tool: "
+    print(f"{cfg.val_file}, planner {cfg.plan_tools or cfg.adapter or '(base model)'}, plans per tool: "
           + ", ".join(f"{t} {c.get('tool:' + t, 0)}" for t in tools) + f" ({time.perf_counter() - t0:.0f} s)")
     for kind, acc in result["by_kind"].items():
         print(f"  {kind}: accuracy {acc:.2f}, routes {result['routes'][kind]}")
@@ -2545,10 +2544,9 @@ def ask(cfg: Config, device: str) -> None:
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> list[str]:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
     trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
-    generated = []  # every prompt really generated goes in (LocalEngine: after its batching)
+    generated, seconds = [], {}  # generated: every prompt really generated (LocalEngine: after its batching)
     name = "_generate" if hasattr(frozen, "_generate") else "_complete"
     setattr(frozen, name, lambda prompts, *a, f=getattr(frozen, name): generated.extend(prompts) or f(prompts, *a))
-    seconds = {}
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
         torch.manual_seed(cfg.seed)

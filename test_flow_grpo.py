@@ -3603,8 +3603,33 @@ def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
     agent = (CountingRoles(), {"Echo_Tool": EchoTool()}, None, ScriptedEngine(counting_planner))
     monkeypatch.setattr(fg, "build_agent", lambda cfg, device: agent)
     fg.evaluate(fg.Config(val_file=str(tmp_path / "val.parquet"), max_turns=1), "cpu")
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == "eval: accuracy 2/4, plans parsed 3/4, tool calls valid 1/2, structured outputs valid 5/6"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "eval: accuracy 2/4, plans parsed 3/4, tool calls valid 1/2, structured outputs valid 5/6"
+    assert "  nq: accuracy 0.33, routes {'Echo': 1, '(unparsed)': 1, 'Nope': 1}" in out
+    # --plan-tools: the scripted planner names its tool for every question
+    fg.evaluate(fg.Config(val_file=str(tmp_path / "val.parquet"), max_turns=1, plan_tools="Echo_Tool"), "cpu")
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("eval: accuracy 2/4, plans parsed 4/4, tool calls valid 3/4")
+    assert "  nq: accuracy 0.33, routes {'Echo': 3}" in out and "planner Echo_Tool, plans per tool: Echo_Tool 4" in out[0]
+
+
+def test_plan_tools_names_a_tool_per_turn_with_the_question_as_sub_goal():
+    tools = fg.make_tools(["Generalist_Solution_Generator_Tool", "Python_Coder_Tool"], ScriptedEngine(str))
+    memory = fg.Memory()
+    memory.add("Python_Coder_Tool", "x", {"query": "print(1)"}, {"stdout": "This is step 9 of at most 9.\n"})
+    questions = ["What is 2 + 2?\n\nShow it.", "Who?", "Why?"]
+    prompts = [fg.planner_prompt(q, a, tools, m, t, 3) for q, a, m, t in
+               [(questions[0], "", fg.Memory(), 1), (questions[1], "notes\n\nmore", memory, 2), (questions[2], "", memory, 3)]]
+    plan = fg.scripted_planner(["Python_Coder_Tool", "Generalist_Solution_Generator_Tool"])
+    assert [json.loads(p) for p in plan(prompts)] == [
+        {"sub_goal": questions[0], "tool_name": "Python_Coder_Tool"},
+        {"sub_goal": "Who?", "tool_name": "Generalist_Solution_Generator_Tool"},
+        {"sub_goal": "Why?", "tool_name": "Generalist_Solution_Generator_Tool"}]  # turn 3: the last tool again
+    assert fg.parse_config(["--eval", "--plan-tools", "Python_Coder_Tool"]).plan_tools == "Python_Coder_Tool"
+    for argv in (["--plan-tools", "Python_Coder_Tool"], ["--eval", "--plan-tools", "Bogus_Tool"],
+                 ["--eval", "--tools", "Python_Coder_Tool", "--plan-tools", "Python_Coder_Tool,Web_RAG_Search_Tool"]):
+        with pytest.raises(SystemExit):  # for --eval only, with tools the agent has
+            fg.parse_config(argv)
 
 
 def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
