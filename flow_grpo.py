@@ -181,13 +181,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # KL 0.3 to the warm start brakes the drift to one tool that each update pushes; 24 steps, as a 12-step cosine
     # decays the lr before the kinds split (README). Small lr: Adam's first steps move each weight by ~lr; float32 on
     # a GPU too, as bf16 rounds such small changes away. 6 groups of 4, a group per micro-batch (its prompt runs once).
+    # 32 SFT steps: a shorter fit can leave one tool rarely tried, which RL then never learns (the log's tool choice).
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
-                lr=3e-5, warmup_steps=0, max_steps=24, save_every=6, sft_steps=16, sft_lr=1e-3, tool_timeout_s=5.0,
-                tool_workers=24, eval_every=6, eval_limit=24, output_dir="runs/cpu"),
+                lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
+                tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu"),
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
@@ -2339,8 +2340,10 @@ class GracefulInterrupt:
             signal.signal(s, old)
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
-    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens."""
-    return -torch.cat(action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)).sum() / n_tokens
+    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens; and
+    each action's log-probability (a float per row: sft_warm_start reads the tool choice from them)."""
+    logp = action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)
+    return -torch.cat(logp).sum() / n_tokens, [x.sum().item() for x in logp]
 
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
@@ -2360,17 +2363,21 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
                                 add_special_tokens=False, return_tensors="pt")["input_ids"][0] for q, t, _ in pairs]
         actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": name}), add_special_tokens=False)
                                 ["input_ids"] + [tokenizer.eos_token_id]) for q, _, name in pairs]
-        total, n_tokens = 0.0, sum(len(a) for a in actions)
+        total, n_tokens, seq_logp = 0.0, sum(len(a) for a in actions), []
         optimizer.zero_grad(set_to_none=True)
         for i in range(0, len(pairs), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
-            loss = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
+            loss, rows_logp = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
             loss.backward()
-            total += loss.item()
+            total, seq_logp = total + loss.item(), seq_logp + rows_logp
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # linear decay to 0
         optimizer.step()
         losses.append(total)
-        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}")
+        # P(tool | prompt, sub-goal) among the tools, averaged over the questions (before this step's update): RL
+        # explores a tool only while this is near uniform - a tool at 0.15 here is rarely tried, and so never learned
+        choice = torch.tensor(seq_logp).view(-1, len(names)).softmax(1).mean(0).tolist()
+        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}; tool choice "
+            + ", ".join(f"{n.split('_')[0]} {p:.2f}" for n, p in zip(names, choice)))
     return losses
 
 def route(st: AgentState) -> str:

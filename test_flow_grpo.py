@@ -3320,17 +3320,31 @@ def test_sft_loss_is_the_hand_computed_cross_entropy_of_action_tokens_only(tiny)
     prompts = [torch.tensor([5, 6, pad, 8, 9]), torch.tensor([11, 12])]
     actions = [torch.tensor([20, pad, 22]), torch.tensor([30, tok.eos_token_id, pad])]
     with torch.no_grad():
-        loss = fg.sft_loss(model, prompts, actions, n_tokens=6)
+        loss, rows_logp = fg.sft_loss(model, prompts, actions, n_tokens=6)
         hand = 0.0
         for p, a in zip(prompts, actions):  # each row alone, unpadded, full-sequence logits
             logp_LV = torch.log_softmax(model(input_ids=torch.cat([p, a])[None]).logits[0].float(), -1)
             hand -= sum(logp_LV[len(p) - 1 + j, a[j]].item() for j in range(len(a)))
-        assert loss.item() == pytest.approx(hand / 6, rel=1e-4)
+        assert loss.item() == pytest.approx(hand / 6, rel=1e-4) and sum(rows_logp) == pytest.approx(-hand, rel=1e-4)
         # Moving the first action token into the prompt removes exactly its term: prompt positions never count.
         moved = fg.sft_loss(model, [torch.cat([prompts[0], actions[0][:1]]), prompts[1]],
-                            [actions[0][1:], actions[1]], n_tokens=6)
+                            [actions[0][1:], actions[1]], n_tokens=6)[0]
         first = torch.log_softmax(model(input_ids=prompts[0][None]).logits[0, -1].float(), -1)[actions[0][0]]
         assert moved.item() == pytest.approx(loss.item() + first.item() / 6, rel=1e-4)
+
+
+def test_sft_warm_start_logs_the_tool_choice_per_question_averaged(monkeypatch, capsys):
+    # Rows come question-major (each question with every tool): P(tool) is a softmax over each question's rows. Here
+    # the first tool has 0.8 for every question; a readout that grouped the rows the wrong way would not say so.
+    cfg = fg.Config(model="tiny", device="cpu", batch_size=3, micro_batch_size=4, sft_steps=1, sft_lr=1e-3,
+                    tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool")
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
+    zero = lambda: sum(p.sum() for p in model.parameters() if p.requires_grad) * 0
+    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)][:len(a)] * (len(a) // 2))
+    monkeypatch.setattr(fg, "sft_loss", fake)
+    fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(9)], cfg)
+    assert "sft step 1/1: loss 0.0000; tool choice Generalist 0.80, Python 0.20" in capsys.readouterr().err
 
 
 def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch):
