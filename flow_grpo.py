@@ -179,9 +179,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia (compound questions: README).
     # KL 0.3 to the warm start brakes the drift to one tool that each update pushes; 24 steps, as a 12-step cosine
-    # decays the lr before the kinds split (README). Small lr: Adam's first steps move each weight by ~lr; float32 on
-    # a GPU too, as bf16 rounds such small changes away. 6 groups of 4, a group per micro-batch (its prompt runs once).
-    # 32 SFT steps: a shorter fit can leave one tool rarely tried, which RL then never learns (the log's tool choice).
+    # decays the lr before the kinds split; 32 SFT steps, as fewer can leave a tool rarely tried (README). Small lr:
+    # Adam's first steps move each weight by ~lr; float32 on a GPU too (bf16 rounds them away). A group a micro-batch.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
@@ -2140,8 +2139,7 @@ def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int
     n, first = len(kinds), (step - 1) * size  # rows drawn before this step
     epochs = {}
     for e in range(first // n, (first + size - 1) // n + 1):
-        by_kind = group_members(kinds)  # each kind's row indices, kinds in order of first appearance
-        for rows in by_kind:
+        for rows in (by_kind := group_members(kinds)):  # each kind's row indices, kinds in order of first appearance
             random.Random(seed + e).shuffle(rows)
         epochs[e] = [i for dealt in itertools.zip_longest(*by_kind) for i in dealt if i is not None]
     return [epochs[k // n][k % n] for k in range(first, first + size)]
@@ -2340,8 +2338,7 @@ class GracefulInterrupt:
             signal.signal(s, old)
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
-    """Cross-entropy of the actions given their prompts, summed over ACTION tokens (EOS included) / n_tokens; and
-    each action's log-probability (a float per row: sft_warm_start reads the tool choice from them)."""
+    """Cross-entropy of the actions given their prompts (ACTION tokens, EOS included, / n_tokens); each's log-prob."""
     logp = action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)
     return -torch.cat(logp).sum() / n_tokens, [x.sum().item() for x in logp]
 
@@ -2352,9 +2349,8 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
     names, kinds = list(tools), [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay)
+    optimizer, losses = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay), []
     model.train()
-    losses = []
     for step in range(1, cfg.sft_steps + 1):
         pool = [rows[i]["question"] for i in batch_indices(kinds, order, step, cfg.batch_size)]
         texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
@@ -2373,8 +2369,7 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
         optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # linear decay to 0
         optimizer.step()
         losses.append(total)
-        # P(tool | prompt, sub-goal) among the tools, averaged over the questions (before this step's update): RL
-        # explores a tool only while this is near uniform - a tool at 0.15 here is rarely tried, and so never learned
+        # P(tool | prompt, sub-goal) averaged over the questions, before the update: RL never learns a rarely tried tool
         choice = torch.tensor(seq_logp).view(-1, len(names)).softmax(1).mean(0).tolist()
         log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}; tool choice "
             + ", ".join(f"{n.split('_')[0]} {p:.2f}" for n, p in zip(names, choice)))
