@@ -2338,7 +2338,7 @@ class GracefulInterrupt:
             signal.signal(s, old)
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
-    """Cross-entropy of the actions given their prompts (ACTION tokens, EOS included, / n_tokens); each's log-prob."""
+    """Cross-entropy of the actions given their prompts (ACTION tokens with EOS, / n_tokens) and each one's log-prob."""
     logp = action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)
     return -torch.cat(logp).sum() / n_tokens, [x.sum().item() for x in logp]
 
