@@ -3341,7 +3341,7 @@ def test_sft_warm_start_logs_the_tool_choice_per_question_averaged(monkeypatch, 
     model, tok = fg.load_policy(cfg, "cpu", trainable=True)
     tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
     zero = lambda: sum(p.sum() for p in model.parameters() if p.requires_grad) * 0
-    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)][:len(a)] * (len(a) // 2))
+    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)] * (len(a) // 2))  # chunks of 4, then 2 rows
     monkeypatch.setattr(fg, "sft_loss", fake)
     fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(9)], cfg)
     assert "sft step 1/1: loss 0.0000; tool choice Generalist 0.80, Python 0.20" in capsys.readouterr().err
