@@ -2340,7 +2340,7 @@ class GracefulInterrupt:
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
     """Cross-entropy of the actions given their prompts (ACTION tokens with EOS, / n_tokens) and each one's log-prob."""
     logp = action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)
-    return -torch.cat(logp).sum() / n_tokens, [x.sum().item() for x in logp]
+    return -torch.cat(logp).sum() / n_tokens, torch.stack([x.detach().sum() for x in logp]).tolist()  # one sync
 
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
