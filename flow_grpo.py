@@ -279,7 +279,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
-                   share_prefill: bool = True) -> list[Sample]:
+                   share_prefill: bool = True, choose: Optional[Callable] = None) -> list[Sample]:
     """One action per prompt (rendered chat strings), with the behaviour log-prob of each of its tokens. The idea, at
     every step, for the R rows still decoding (T = 0: argmax instead of multinomial, log-probs at T = 1):
         logp_RV = log_softmax(logits_RV / T)         the exact distribution we sample from; the update recomputes it
@@ -290,7 +290,9 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
     Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
     share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
-    KV cache copied to its rows. A row that ends leaves the batch and the cache."""
+    KV cache copied to its rows. A row that ends leaves the batch and the cache.
+    choose(rows_R, logits_RV) -> tok_R replaces the sampling (the frozen roles' greedy, schema-masked choice: section
+    7); no log-probs are computed then (they stay 0)."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
     enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -306,9 +308,13 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
     length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
     for step in range(max_new_tokens):
-        logp_RV = torch.log_softmax(logits_RV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-        tok_R = torch.multinomial(logp_RV.exp(), 1).squeeze(1) if temperature > 0 else logp_RV.argmax(-1)
-        tok_BA[rows_R, step], logp_BA[rows_R, step] = tok_R, logp_RV.gather(1, tok_R[:, None]).squeeze(1)
+        if choose is None:
+            logp_RV = torch.log_softmax(logits_RV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+            tok_R = torch.multinomial(logp_RV.exp(), 1).squeeze(1) if temperature > 0 else logp_RV.argmax(-1)
+            logp_BA[rows_R, step] = logp_RV.gather(1, tok_R[:, None]).squeeze(1)
+        else:
+            tok_R = choose(rows_R, logits_RV)
+        tok_BA[rows_R, step] = tok_R
         length_B[rows_R] += 1
         going_R = ~torch.isin(tok_R, stops)
         if not going_R.any() or step == max_new_tokens - 1:
@@ -800,50 +806,46 @@ def argmax_rows(x_BV: torch.Tensor) -> list[int]:
     return (torch.from_numpy(x_BV.float().numpy().argmax(1)) if x_BV.device.type == "cpu" else x_BV.argmax(1)).tolist()
 
 class SchemaMask:
-    """A logits processor for GREEDY generate(): row i may only emit tokens that keep its text a prefix of JSON valid
-    under its schema (an llguidance LLMatcher per row; rows without one are free), then only EOS. Rows whose top token
-    the grammar accepts need no mask (greedy takes it anyway; one token's check is far cheaper than a vocabulary's
-    mask); the others' masks fill one bitmask at once (a bit per token), applied on the device as a 0/-inf bias."""
+    """The frozen roles' greedy choice for sample_actions: row i may only emit tokens that keep its text a prefix of
+    JSON valid under its schema (an llguidance LLMatcher per row; rows without one are free), then only EOS. A row whose
+    top token the grammar accepts needs no mask (one token's check is far cheaper than a vocabulary's mask); the
+    others' masks fill one bitmask at once (a bit per token), applied on the device as a 0/-inf bias, argmax again."""
     # a byte of the bitmask -> the biases of its 8 tokens, lowest bit first: 0 if the bit is set (allowed), else -inf
     BYTE_BIAS_256x8 = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
     def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
         self.matchers = {i: schema_matcher(ll_tokenizer, s, max_chars).deep_copy() for i, s in enumerate(schemas) if s}
-        if self.matchers:  # bitmask_BW: W int32 words of 32 tokens; rows without a schema keep all ones (allowed)
-            import llguidance.torch  # not at the top: it loads torch's compiler (seconds), as generate() does
+        if self.matchers:  # bitmask_BW: W int32 words of 32 tokens, a row per batch row
+            import llguidance.torch  # not at the top: it loads torch's compiler (seconds)
             self.bitmask_BW = llguidance.torch.allocate_token_bitmask(len(schemas), ll_tokenizer.vocab_size)
             self.vocab, self.executor = ll_tokenizer.vocab_size, llguidance.LLExecutor()  # executor: threads to fill
-        self.started, self.done = False, set()
 
-    def advance(self, last_B: torch.Tensor) -> None:  # the token each row just emitted; stopped rows get padding
-        last = last_B.tolist()  # one copy from the device for all rows
-        for i, m in self.matchers.items():
-            if m.is_stopped():  # it was stopped, so this token was its EOS: generate() pads the row from now on
-                self.done.add(i)
-            else:
-                m.consume_token(last[i])
-
-    def __call__(self, ids_BL: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
-        if self.started:  # the first call sees only the prompt
-            self.advance(ids_BL[:, -1])
-        self.started = True
-        top = argmax_rows(scores_BV)  # greedy's choice
-        rows = [i for i, m in self.matchers.items()
-                if i not in self.done and (top[i] >= self.vocab or not m.validate_tokens(top[i:i + 1]))]
-        if rows:  # the grammar refused these rows' top token: their masks
-            refused = [(self.matchers[i], i) for i in rows]
-            llguidance.torch.fill_next_token_bitmask_par(self.executor, refused, self.bitmask_BW)
-            bytes_RN = self.bitmask_BW[rows].to(scores_BV.device).view(torch.uint8)  # little-endian: token 8n+j: bit j
-            bias_RT = self.BYTE_BIAS_256x8.to(scores_BV).index_select(0, bytes_RN.flatten().long()).view(len(rows), -1)
-            T = min(bias_RT.shape[1], scores_BV.shape[1])  # T: the tokenizer's vocab rounded up to 32, or the model's
-            scores_BV[rows, :T] += bias_RT[:, :T]  # adding -inf: no branch per element, unlike masked_fill_
-            scores_BV[rows, T:] = float("-inf")  # a model's vocab padded beyond the tokenizer's: closed
-        return scores_BV
+    def __call__(self, rows_R: torch.Tensor, logits_RV: torch.Tensor) -> torch.Tensor:
+        """The token of each row still decoding (rows_R: its row in the batch); each matcher consumes its row's."""
+        rows, top = rows_R.tolist(), argmax_rows(logits_RV)  # one copy from the device; greedy's choice
+        refused = [r for r, i in enumerate(rows) if i in self.matchers
+                   and (top[r] >= self.vocab or not self.matchers[i].validate_tokens(top[r:r + 1]))]
+        if refused:  # the grammar refused these rows' top token: their masks, and argmax under them
+            batch = [rows[r] for r in refused]
+            llguidance.torch.fill_next_token_bitmask_par(self.executor, [(self.matchers[i], i) for i in batch],
+                                                        self.bitmask_BW)
+            bytes_RN = self.bitmask_BW[batch].to(logits_RV.device).view(torch.uint8)  # little-endian: 8n+j is bit j
+            bias_RT = self.BYTE_BIAS_256x8.to(logits_RV).index_select(0, bytes_RN.flatten().long()).view(len(batch), -1)
+            T = min(bias_RT.shape[1], logits_RV.shape[1])  # T: the tokenizer's vocab rounded up to 32, or the model's
+            scores_RV = logits_RV[refused]  # a copy; beyond T, the model's vocab padded beyond the tokenizer's: closed
+            scores_RV[:, :T] += bias_RT[:, :T]  # adding -inf: no branch per element, unlike masked_fill_
+            for r, t in zip(refused, argmax_rows(scores_RV[:, :T])):
+                top[r] = t
+        for r, i in enumerate(rows):
+            if i in self.matchers:
+                self.matchers[i].consume_token(top[r])
+        return torch.tensor(top, device=logits_RV.device)
 
 class LocalEngine(Engine):
-    """Greedy generation on the policy's weights: use_adapter=False (the frozen roles) switches LoRA off, so this IS
-    the frozen base at no extra memory; True is the trained planner (--ask, --eval). A schema constrains decoding;
-    JSON unfinished at the token limit gives "". Calls queue; whoever gets the lock serves them all in one batch."""
+    """Greedy decoding on the policy's weights, in sample_actions' loop with SchemaMask choosing (a row leaves the batch
+    at its EOS): use_adapter=False (the frozen roles) switches LoRA off, so this IS the frozen base at no extra memory;
+    True is the trained planner (--ask, --eval). A schema constrains decoding; JSON unfinished at the token limit gives
+    "". Calls queue; whoever gets the lock serves them all in one batch."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
@@ -888,26 +890,18 @@ class LocalEngine(Engine):
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
-        greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,  # the hub
-                      max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id)  # config's knobs cleared
         outs: list[str] = []
-        with contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model), torch.no_grad():
+        with contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model):
             for i in range(0, len(prompts), self.batch_size):
                 chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
-                enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
-                                     add_special_tokens=False).to(self.model.device)
                 # ~3 characters per token: four strings of max_tokens/2 characters and their keys still close,
                 # and a one-string call (the executor's) can hold a whole question.
                 cap = min(self.max_json_chars, max(8, max_tokens // 2))
                 mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
-                ids = self.model.generate(**enc, **greedy, logits_processor=[mask] if mask.matchers else None)
-                mask.advance(ids[:, -1])  # the last token was never fed back: the matchers must see it
-                new_BL = ids[:, enc["input_ids"].shape[1]:]  # counted up to each row's stop token, else all (limit hit)
-                stop_BL = torch.isin(new_BL, torch.tensor(self.model.generation_config.eos_token_id, device=ids.device))
-                usage(gen_tokens=int(torch.where(stop_BL.any(1), stop_BL.int().argmax(1) + 1, new_BL.shape[1]).sum()),
-                      hit_limit=int((~stop_BL.any(1)).sum()))
-                outs += [t if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
-                         for r, t in enumerate(self.tokenizer.batch_decode(new_BL, skip_special_tokens=True))]
+                samples = sample_actions(self.model, self.tokenizer, chunk, max_new_tokens=max_tokens, temperature=0,
+                                         share_prefill=self.dedup, choose=mask)  # (it counts tokens and limit hits)
+                outs += [s.text if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
+                         for r, s in enumerate(samples)]
         return outs
 
 # ======== 8. Structured outputs: what each role must answer ==========================================

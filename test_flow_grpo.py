@@ -898,14 +898,15 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    frozen, inside, generate = fg.LocalEngine(model, tok, max_tokens=2), threading.Event(), model.generate
+    frozen, inside, sample = fg.LocalEngine(model, tok, max_tokens=2), threading.Event(), fg.sample_actions
 
-    def slow_generate(*args, **kwargs):  # LocalEngine has switched the adapter off by now; it stays off for 1 s
-        inside.set()
-        time.sleep(1.0)
-        return generate(*args, **kwargs)
+    def slow_sample(*args, **kwargs):  # a frozen role's call (greedy choice given): LocalEngine has switched the
+        if kwargs.get("choose") is not None:  # adapter off by now; it stays off for 1 s
+            inside.set()
+            time.sleep(1.0)
+        return sample(*args, **kwargs)
 
-    def late_call():  # a frozen-role call from another thread; returns once that call is inside generate()
+    def late_call():  # a frozen-role call from another thread; returns once that call is decoding
         inside.clear()
         threading.Thread(target=frozen.ask, args=("a late question",), daemon=True).start()
         assert inside.wait(10)
@@ -918,7 +919,7 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
             fg.Turn(plan_text=s.text, plan=None, call=None, result=None, planner_output=s)])
             for q, s in zip(questions, samples)]
 
-    monkeypatch.setattr(model, "generate", slow_generate)
+    monkeypatch.setattr(fg, "sample_actions", slow_sample)
     monkeypatch.setattr(fg, "solve_batch", solve)
     seen = {}
 
@@ -1305,10 +1306,10 @@ def smollm2():
 
 @pytest.mark.parametrize("which,padded", [("tiny", 0), ("tiny", 45), ("smollm2", 0)])
 def test_schema_mask_makes_the_plain_masks_greedy_choice_at_every_decoding_step(tiny, monkeypatch, which, padded):
-    """The batched, lazy bitmask only changes speed: at every step of a real generation (constrained rows of several
+    """The batched, lazy bitmask only changes speed: at every step of a real decoding (constrained rows of several
     schemas and a free row in one batch) each row's greedy token is the one under the plain mask, computed by twin
-    matchers fed the same tokens; a row it masks equals the plain mask's row; with the model's vocab padded beyond the
-    tokenizer's, those columns are closed to masked rows; the free row is never masked."""
+    matchers fed the same tokens; with the model's vocab padded beyond the tokenizer's (columns that would win), those
+    columns are closed to constrained rows; the free row gets its plain argmax."""
     engine = fg.LocalEngine(*(tiny if which == "tiny" else smollm2()), max_tokens=24)
     engine.max_json_chars = 8
     masked, kept, Plain = [], [], fg.SchemaMask
@@ -1318,18 +1319,20 @@ def test_schema_mask_makes_the_plain_masks_greedy_choice_at_every_decoding_step(
             super().__init__(ll_tokenizer, schemas, max_chars)
             self.twin = Plain(ll_tokenizer, schemas, max_chars)  # the reference's own matchers
 
-        def __call__(self, ids_BL, scores_BV):
-            if self.started:
-                self.twin.advance(ids_BL[:, -1])
-            wide_BV = torch.cat([scores_BV, torch.randn(len(scores_BV), padded)], 1)
-            got_BV, want_BV = super().__call__(ids_BL, wide_BV.clone()), plain_schema_mask(self.twin.matchers, wide_BV)
-            going = [i for i in range(len(got_BV)) if i not in self.done]  # the others emitted EOS: padding now
-            assert torch.equal(got_BV[going].argmax(1), want_BV[going].argmax(1)), len(masked)
-            rows = torch.isinf(got_BV).any(1)
-            assert torch.equal(got_BV[rows], want_BV[rows]) and not rows[1], len(masked)
-            masked.append(int(rows.sum()))
-            kept.append(sum(not rows[i] for i in self.matchers if i in going))  # the grammar took the model's top
-            return got_BV[:, :scores_BV.shape[1]]
+        def __call__(self, rows_R, logits_RV):
+            twins = {r: self.twin.matchers[i] for r, i in enumerate(rows_R.tolist()) if i in self.twin.matchers}
+            extra_RP = torch.randn(len(logits_RV), padded) + logits_RV.max() + 1  # they would win if left open
+            extra_RP[[r for r in range(len(logits_RV)) if r not in twins]] = float("-inf")  # (a free row's own)
+            wide_RV = torch.cat([logits_RV, extra_RP], 1)
+            want_R, top_R = plain_schema_mask(twins, wide_RV).argmax(1), wide_RV.argmax(1)
+            got_R = super().__call__(rows_R, wide_RV.clone())
+            assert torch.equal(got_R, want_R), len(masked)
+            refused = [r for r, m in twins.items() if top_R[r] >= self.vocab or not m.validate_tokens([int(top_R[r])])]
+            masked.append(len(refused))
+            kept.append(len(twins) - len(refused))  # the grammar took the model's top token: no mask needed
+            for r, m in twins.items():
+                m.consume_token(int(got_R[r]))
+            return got_R
 
     schemas = [fg.QueryAnalysis, None, fg.Verification, fg.TitleSelection]
     prompts = [f"Answer as {s.__name__}." + fg.schema_instruction(s) if s else "Say hello." for s in schemas]
@@ -1341,21 +1344,21 @@ def test_schema_mask_makes_the_plain_masks_greedy_choice_at_every_decoding_step(
 
 
 def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monkeypatch):
-    """LocalEngine counts what generate() really produced (each row up to its EOS, or all of it: the limit hit), and
+    """LocalEngine counts what it really decoded (each row up to its EOS, or all of it: the limit hit), and
     timed() credits it to the phase it ran in: the frozen roles' calls to "fixed", the tool's LLM call (made in a
     tool thread) to "tools"; the planner (sample_actions) counts its own samples."""
-    model, generate, seen = tiny_engine.model, tiny_engine.model.generate, []
+    model, sample, seen = tiny_engine.model, fg.sample_actions, []
     eos = model.generation_config.eos_token_id
 
-    def recording_generate(*args, **kwargs):
-        ids = generate(*args, **kwargs)
-        rows = ids[:, kwargs["input_ids"].shape[1]:].tolist()
+    def recording_sample(*args, **kwargs):
+        samples = sample(*args, **kwargs)
+        rows = [s.action_ids.tolist() for s in samples]
         ends = [next((j + 1 for j, t in enumerate(r) if t == eos), None) for r in rows]
         phase = "fixed" if threading.current_thread() is threading.main_thread() else "tools"
         seen.append((phase, sum(e or len(r) for e, r in zip(ends, rows)), ends.count(None)))
-        return ids
+        return samples
 
-    monkeypatch.setattr(model, "generate", recording_generate)
+    monkeypatch.setattr(fg, "sample_actions", recording_sample)
     tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], tiny_engine, max_tokens=7)
     plan = json.dumps({"sub_goal": "Compute 37 times 91.", "tool_name": "Generalist_Solution_Generator_Tool"})
     timings = {}
@@ -1366,8 +1369,8 @@ def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monk
         assert timings.get(f"hit_limit_{phase}", 0) == sum(h for p, _, h in seen if p == phase)
     assert timings["hit_limit_tools"] == 2 and 0 < timings["hit_limit_fixed"] < len(seen) * 2  # 7 tokens: cut
     max_new, before = 5, fg.usage()
-    samples = fg.sample_actions(model, tiny_engine.tokenizer, rendered(tiny_engine.tokenizer, ["a", "b", "c"]),
-                                max_new_tokens=max_new, temperature=1.0)
+    samples = sample(model, tiny_engine.tokenizer, rendered(tiny_engine.tokenizer, ["a", "b", "c"]),
+                     max_new_tokens=max_new, temperature=1.0)
     counted = fg.usage() - before
     assert counted["gen_tokens"] == sum(len(s.action_ids) for s in samples)
     assert counted["hit_limit"] == sum(len(s.action_ids) == max_new and int(s.action_ids[-1]) != eos for s in samples)
