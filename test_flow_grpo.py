@@ -1473,6 +1473,22 @@ def solve_identical(frozen, group=8, max_turns=1):
                           tools={"Echo_Tool": EchoTool()}, max_turns=max_turns)
 
 
+def test_local_engine_decodes_what_greedy_generate_does(tiny, monkeypatch):
+    """The frozen roles' own loop (a row leaves the batch at its EOS, the prompts of unequal length) gives exactly
+    transformers' greedy generate() texts, prompt for prompt: only the speed changed."""
+    model, tok = tiny
+    prompts = ["Say hello.", "Count to ten, slowly, in words, one number a line.", "x", "Say hello."]
+    free = fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40, temperature=0)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", int(free[2].action_ids[5]))  # a random model's
+    monkeypatch.setattr(tok, "eos_token_id", int(free[2].action_ids[5]))  # rows must end somewhere
+    enc = tok(rendered(tok, prompts), return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    ids = model.generate(**enc, do_sample=False, max_new_tokens=40, pad_token_id=tok.pad_token_id)
+    want = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert fg.LocalEngine(model, tok, max_tokens=40)._generate(prompts, 40) == want
+    assert min(len(s.action_ids) for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40,
+                                                            temperature=0)) <= 6  # a row did leave early
+
+
 def test_greedy_engine_generates_each_distinct_prompt_once():
     shared, unshared = CountingRoleEngine(), CountingRoleEngine()
     unshared.dedup = False
