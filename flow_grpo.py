@@ -303,7 +303,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
     logits_RV, mask_RL, next_pos_R, cache = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1, out.cache
-    cache.batch_select_indices(src_B)  # row b gets a copy of its prompt's keys and values
+    if len(distinct) < B:  # row b gets a copy of its prompt's keys and values (all distinct: nothing to copy)
+        cache.batch_select_indices(src_B)
     rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
     tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
     length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
