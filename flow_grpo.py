@@ -277,6 +277,19 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
 
+def drop_ended_rows(cache, going_R: torch.Tensor, keep_order: bool) -> torch.Tensor:
+    """The batch cut to the K rows still going; returns keep_K, each kept row's old index. keep_order (sampled rows: a
+    seed's draws stay on their rows) copies the cache; else the last rows going fill the holes and the cache is cut."""
+    if keep_order:
+        cache.batch_select_indices(keep_K := going_R.nonzero().squeeze(1))
+        return keep_K
+    K = int(going_R.sum())
+    holes, movers = (~going_R[:K]).nonzero().squeeze(1), going_R[K:].nonzero().squeeze(1) + K
+    for layer in cache.layers:  # transformers' DynamicCache: a (keys, values) pair per layer, batch first
+        layer.keys[holes], layer.values[holes] = layer.keys[movers], layer.values[movers]  # copies the movers only
+        layer.keys, layer.values = layer.keys[:K], layer.values[:K]  # a view: nothing copied
+    return torch.arange(K, device=going_R.device).index_put((holes,), movers)
+
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
                    share_prefill: bool = True, choose: Optional[Callable] = None) -> list[Sample]:
@@ -320,9 +333,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         going_R = ~torch.isin(tok_R, stops)
         if not going_R.any() or step == max_new_tokens - 1:
             break
-        if not going_R.all():  # one copy of the cache now saves computing a dead row at every later step
-            keep = going_R.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
+        if not going_R.all():  # a dead row would be computed at every later step
+            keep = drop_ended_rows(cache, going_R, keep_order=choose is None)
             rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
         mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
         logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
@@ -524,8 +536,7 @@ def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[lis
     trajs = sorted({r.traj_id for r in rows})
     random.Random(f"{cfg.seed}-{step}-{epoch}").shuffle(trajs)
     n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
-    chosen = [set(trajs[k::n_mb]) for k in range(n_mb)]
-    return [[r for r in rows if r.traj_id in c] for c in chosen]
+    return [[r for r in rows if r.traj_id in chosen] for chosen in (set(trajs[k::n_mb]) for k in range(n_mb))]
 
 def has_signal(rows: list[Row], cfg: Config) -> bool:
     """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
@@ -2315,8 +2326,7 @@ class GracefulInterrupt:
     """First Ctrl-C or SIGTERM: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer),
     save, stop. Second: os._exit at once, waiting for nothing; what was saved is whole (logs and checkpoints)."""
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
-        main = threading.current_thread() is threading.main_thread()
-        self.requested = False
+        self.requested, main = False, threading.current_thread() is threading.main_thread()
         self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         return self
 
@@ -2547,9 +2557,8 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
         torch.manual_seed(cfg.seed)
-        t: dict[str, float] = {}
+        t, frozen.dedup = {}, mode != "unshared"  # t: this mode's phase timings
         generated.clear()
-        frozen.dedup = mode != "unshared"
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
         with timed(seconds, mode):
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, frozen, tools, group_size=g,
@@ -2617,11 +2626,7 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
 
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> None:
     """--learning-curve: the toy task for 3 seeds; reward per step as a text chart, and learning_curve.png."""
-    curves = []
-    for seed in seeds:
-        t0 = time.perf_counter()
-        curves.append(toy_learning_curve(seed=seed, steps=steps))
-        log(f"seed {seed}: {time.perf_counter() - t0:.1f}s")
+    curves = [toy_learning_curve(seed=seed, steps=steps) for seed in seeds]  # ~3 s each
     print("step  " + "  ".join(f"seed{s}" for s in seeds) + "   mean  (reward = share of digits in the answer)")
     for t in range(steps):
         mean = sum(c[t] for c in curves) / len(curves)

@@ -1489,6 +1489,46 @@ def test_local_engine_decodes_what_greedy_generate_does(tiny, monkeypatch):
                                                             temperature=0)) <= 6  # a row did leave early
 
 
+def test_dropping_ended_rows_copies_only_the_rows_that_move(tiny):
+    """Greedy rows: the last rows still going fill the holes and the cache is cut, a view of the same storage (no
+    whole copy); sampled rows keep their order. Either way each kept row's keys and values are its own."""
+    model, tok = tiny
+    enc = tok(rendered(tok, [f"prompt {i} " * (i + 1) for i in range(5)]), return_tensors="pt", padding=True,
+              padding_side="left", add_special_tokens=False)
+    going = torch.tensor([False, True, False, True, True])
+    for keep_order, want in ((True, [1, 3, 4]), (False, [3, 1, 4])):  # holes 0 and 2 take rows 3 and 4
+        cache = model(**enc, use_cache=True).cache
+        before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in cache.layers]
+        keep = fg.drop_ended_rows(cache, going, keep_order)
+        assert keep.tolist() == want
+        for (keys, values, ptr), layer in zip(before, cache.layers):
+            assert torch.equal(layer.keys, keys[keep]) and torch.equal(layer.values, values[keep])
+            assert (layer.keys.data_ptr() == ptr) != keep_order  # cut in place, or copied
+
+
+def test_greedy_rows_decode_as_alone_when_rows_ending_first_are_replaced(tiny):
+    """Rows 0 and 2 end first, so later rows move into their places (and their cache): every row must still decode
+    exactly what it decodes alone - its own mask, positions, cache and per-row choice follow it."""
+    model, tok = tiny
+    prompts = rendered(tok, ["Say hello.", "Count to ten, slowly.", "x", "a much longer prompt, padded", "mid size"])
+    ends, calls = [2, 9, 4, 16, 16], Counter()  # row r emits EOS as its ends[r]-th token, argmax before
+    def chooser(first_row):
+        def choose(rows_R, logits_RV):
+            tok_R = logits_RV.argmax(-1)
+            for j, r in enumerate(rows_R.tolist()):
+                calls[first_row + r] += 1
+                tok_R[j] = tok.eos_token_id if calls[first_row + r] == ends[first_row + r] else tok_R[j]
+            return tok_R
+        return choose
+    batch = fg.sample_actions(model, tok, prompts, max_new_tokens=16, temperature=0, share_prefill=False,
+                              choose=chooser(0))
+    calls.clear()
+    alone = [fg.sample_actions(model, tok, [p], max_new_tokens=16, temperature=0, choose=chooser(i))[0]
+             for i, p in enumerate(prompts)]
+    assert [len(s.action_ids) for s in batch] == ends  # (the random model's argmax never is EOS here)
+    assert [s.action_ids.tolist() for s in batch] == [s.action_ids.tolist() for s in alone]
+
+
 def test_greedy_engine_generates_each_distinct_prompt_once():
     shared, unshared = CountingRoleEngine(), CountingRoleEngine()
     unshared.dedup = False
