@@ -819,9 +819,9 @@ def argmax_rows(x_BV: torch.Tensor) -> list[int]:
 
 class SchemaMask:
     """The frozen roles' greedy choice for sample_actions: row i may only emit tokens that keep its text a prefix of
-    JSON valid under its schema (an llguidance LLMatcher per row; rows without one are free), then only EOS. A row whose
-    top token the grammar accepts needs no mask (one token's check is far cheaper than a vocabulary's mask); the
-    others' masks fill one bitmask at once (a bit per token), applied on the device as a 0/-inf bias, argmax again."""
+    JSON valid under its schema (an llguidance LLMatcher per row; rows without one are free), then only EOS. A top token
+    the grammar accepts needs no mask (far cheaper) unless it forces bytes (a key: the mask keeps only their usual
+    tokens); the others' masks fill one bitmask (a bit per token), on the device a 0/-inf bias, argmax again."""
     # a byte of the bitmask -> the biases of its 8 tokens, lowest bit first: 0 if the bit is set (allowed), else -inf
     BYTE_BIAS_256x8 = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
@@ -835,9 +835,9 @@ class SchemaMask:
     def __call__(self, rows_R: torch.Tensor, logits_RV: torch.Tensor) -> torch.Tensor:
         """The token of each row still decoding (rows_R: its row in the batch); each matcher consumes its row's."""
         rows, top = rows_R.tolist(), argmax_rows(logits_RV)  # one copy from the device; greedy's choice
-        refused = [r for r, i in enumerate(rows) if i in self.matchers
-                   and (top[r] >= self.vocab or not self.matchers[i].validate_tokens(top[r:r + 1]))]
-        if refused:  # the grammar refused these rows' top token: their masks, and argmax under them
+        refused = [r for r, i in enumerate(rows) if i in self.matchers and (top[r] >= self.vocab
+                   or not self.matchers[i].validate_tokens(top[r:r + 1]) or self.matchers[i].compute_ff_bytes())]
+        if refused:  # the top token refused, or bytes forced ('ations' not 'ation' + 's'): masks, argmax under them
             batch = [rows[r] for r in refused]
             llguidance.torch.fill_next_token_bitmask_par(self.executor, [(self.matchers[i], i) for i in batch],
                                                         self.bitmask_BW)

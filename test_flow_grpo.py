@@ -1304,6 +1304,21 @@ def smollm2():
     return fg.load_policy(fg.Config(model="smollm2-135m", device="cpu"), "cpu", trainable=False)
 
 
+def test_schema_mask_keeps_the_usual_tokens_where_the_grammar_forces_bytes(tiny):
+    """The grammar forces '{"concise_summary":"' first. llguidance's one-token check accepts '{' ('"' could follow),
+    its mask allows only '{"': the tokens such text is made of. A model whose top token is '{' gets the mask's choice."""
+    import llguidance.hf
+    model, tok = tiny
+    mask = fg.SchemaMask(llguidance.hf.from_tokenizer(tok), [fg.QueryAnalysis], 8)
+    twin = fg.SchemaMask(llguidance.hf.from_tokenizer(tok), [fg.QueryAnalysis], 8).matchers
+    brace = next(t for t in range(len(tok)) if tok.decode([t]) == "{")
+    logits_RV = torch.zeros(1, model.config.vocab_size)
+    logits_RV[0, brace] = 10.0
+    assert mask.matchers[0].validate_tokens([brace]) == 1  # the check alone would take it
+    got = mask(torch.tensor([0]), logits_RV)
+    assert got.tolist() == plain_schema_mask(twin, logits_RV).argmax(1).tolist() and tok.decode(got) == '{"'
+
+
 @pytest.mark.parametrize("which,padded", [("tiny", 0), ("tiny", 45), ("smollm2", 0)])
 def test_schema_mask_makes_the_plain_masks_greedy_choice_at_every_decoding_step(tiny, monkeypatch, which, padded):
     """The batched, lazy bitmask only changes speed: at every step of a real decoding (constrained rows of several
