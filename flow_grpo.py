@@ -279,8 +279,8 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 def drop_ended_rows(cache, going_R: torch.Tensor, keep_order: bool) -> torch.Tensor:
     """The batch cut to the K rows still going; returns keep_K, each kept row's old index. keep_order (sampled rows: a
-    seed's draws stay on their rows) copies the cache; else the last rows going fill the holes and the cache is cut."""
-    if keep_order:
+    seed's draws stay on their rows; other layers: shared KV, indexers) copies; else last rows fill holes, cache cut."""
+    if keep_order or {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}:
         cache.batch_select_indices(keep_K := going_R.nonzero().squeeze(1))
         return keep_K
     K = int(going_R.sum())
