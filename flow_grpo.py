@@ -124,6 +124,8 @@ class Config:
     kinds: str = option("", "train and evaluate on these kinds only (the 'source' column: 'arithmetic,lookup')")
     eval_every: int = option(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
     plan_tools: str = option("", "--eval of a scripted planner: tool A at turn 1, B at 2 ('A,B'): what a plan can win")
+    scripted_roles: bool = option(False, "rule-based stand-ins for every frozen LLM role (executor, the tools' LLM, "
+                                  "answer writer): the reward measures the plan alone (section 10)")
     wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
     tools: str = option("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
@@ -188,6 +190,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
                 lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu"),
+    # The two-turn lesson (compound: Wikipedia, then Python) with SmolLM2 as the trained planner and EXACT scripted
+    # stand-ins in every frozen role, so that the reward measures the plan alone. All three kinds, two turns each.
+    "scripted-roles": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
+                           val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
+                           tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
+                           scripted_roles=True, verify=False, analysis=False, tool_tips=False, batch_size=6,
+                           group_size=4, max_turns=2, max_new_tokens=48, micro_batch_size=4, temperature=1.0,
+                           kl_coef=0.3, lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3,
+                           tool_timeout_s=5.0, tool_workers=24, eval_every=8, eval_limit=36,
+                           output_dir="runs/scripted-roles"),
 }
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
@@ -201,7 +213,7 @@ def tool_names(cfg: Config) -> list[str]:
 def agent_options(cfg: Config) -> dict:
     """The agent loop's knobs (solve_batch's keyword arguments) from the config."""
     return dict(max_turns=cfg.max_turns, verify=cfg.verify, analysis=cfg.analysis, memory_chars=cfg.memory_chars,
-                tool_workers=cfg.tool_workers)
+                tool_workers=cfg.tool_workers, scripted=cfg.scripted_roles)
 
 def build_parser() -> argparse.ArgumentParser:
     """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
@@ -229,6 +241,9 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps", "dynamic_sampling"):
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
+    if cfg.scripted_roles and (cfg.verify or cfg.analysis or cfg.judge != "rule"):  # roles with no stand-in
+        parser.error("--scripted-roles has no stand-in for the verifier, the analyst or an LLM judge: "
+                     "add --no-verify --no-analysis (and --judge rule)")
     if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
         parser.error(f"--clip-ratio-c must be > 1, or 0 for off, not {cfg.clip_ratio_c!r}")
     for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
@@ -1260,6 +1275,48 @@ def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: s
     cosines = [sum(a * b for a, b in zip(q, v)) / (math.hypot(*q) * math.hypot(*v) or 1.0) for v in vectors[1:]]
     return sorted(range(len(chunks)), key=lambda i: (-cosines[i], i))[:k]
 
+# --- Scripted roles (--scripted-roles): exact, rule-based stand-ins for every frozen LLM role, each doing what a
+# capable model would do with the plan it is given. A 135M executor, coder or reader fails right plans for reasons
+# that are not the plan's; with these the reward measures the PLAN alone. Still real: the planner (sampled and
+# trained), the tools' search and the sandbox that runs each program, memory, the judge and the whole update.
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+WORD_OPS = {"plus": "+", "minus": "-", "times": "*"}
+
+
+def scripted_call(plan: NextStep, tool: Any) -> dict:
+    """The executor: the tool call built from the sub-goal (each input field gets it: a query is the sub-goal)."""
+    return {name: plan.sub_goal for name in tool.input_model.model_fields}
+
+
+def scripted_program(task: str, findings: str) -> Optional[str]:
+    """The Python coder: 'a op b' written in the task; else 'plus k' / 'times k' applied to the last number that
+    memory holds; else that number, passed on; None (nothing to compute) when memory holds none.
+    "What is 13 * 65?" -> print(13 * 65); "..., plus 464?" after "... a population of 4521." -> print(4521 + 464)"""
+    if m := re.search(r"(-?\d+)\s*([-+*])\s*(-?\d+)", task):
+        return f"print({m[1]} {m[2]} {m[3]})"
+    if not (found := NUMBER.findall(findings)):
+        return None
+    if m := re.search(r"\b(plus|minus|times) (\d+)\b", task):
+        return f"print({found[-1]} {WORD_OPS[m[1]]} {m[2]})"
+    return f"print({found[-1]})"
+
+
+def scripted_reader(query: str, text: str) -> str:
+    """The Wikipedia tool's reader: the page's one sentence that best matches the query (BM25), quoted, not rewritten."""
+    sentences = re.split(r"(?<=[.!?])\s+", text.strip())
+    return sentences[bm25_top_k(query, sentences, 1)[0]]
+
+
+SCRIPTED_GENERALIST = ("(the generalist stand-in declines: without tools it cannot know these invented facts, and "
+                       "exact arithmetic is the Python tool's job)")
+
+
+def scripted_answer(memory: Memory) -> str:
+    """The answer writer: the last number that the LAST step found (its program's output, its page's sentence)."""
+    found = NUMBER.findall(Memory(steps=memory.steps[-1:]).findings()) if memory.steps else []
+    return f"<answer>{found[-1] if found else ''}</answer>"
+
+
 # --- Tool base class
 class Tool:
     """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). The
@@ -1268,6 +1325,7 @@ class Tool:
     input_model: type[BaseModel] = BaseModel
     timeout_s: float = 10.0  # wall clock of what runs outside the LLM: sandbox, network
     reads_memory = False  # True: run(args, findings) also gets what earlier steps found (Memory.findings)
+    scripted = False  # True: the rule-based stand-in replaces this tool's LLM (--scripted-roles)
     max_tokens: Optional[int] = None  # of its LLM replies (None: the engine's limit)
 
     def __init__(self, engine: Engine, **options: Any):
@@ -1337,6 +1395,8 @@ class GeneralistTool(Tool):
             "check facts with a search tool and calculations with Python_Coder_Tool.")
 
     def run(self, args: Any) -> Any:  # the answer text, or {"error": ...} (a failed remote call gives "")
+        if self.scripted:
+            return SCRIPTED_GENERALIST
         prompt = ("Answer the query below. Reason step by step, then give the final answer on a last line that "
                   f"starts with 'Answer:'.\n\nQuery: {args.query}")
         return self.engine.ask(prompt, max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
@@ -1358,6 +1418,12 @@ class PythonCoderTool(Tool):
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
     def run(self, args: Any, findings: str = "") -> dict:
+        if self.scripted:  # the program by rule; it still runs in the sandbox
+            code = scripted_program(args.query, findings)
+            if code is None:
+                return {"code": "", "stdout": "", "error": "nothing to compute: no numbers in the task or memory"}
+            result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars)
+            return {"code": code, "stdout": result["stdout"], "error": result["error"]}
         # One plain sentence ("no functions": else a small model calls one with a number of its own); sandboxed.
         prompt = ((f"Facts found so far: {findings}\n" if findings else "") +
                   f"Write a short Python program, with no functions, that prints the result of: {args.query}\n"
@@ -1403,6 +1469,8 @@ class WikipediaTool(RAGTool):
 
     def _select_titles(self, query: str, candidates: list[str]) -> list[str]:
         """The candidates the engine picks (invented titles dropped), else the top search hit."""
+        if self.scripted:
+            return candidates[:1]
         listing = "\n".join(f"- {t}" for t in candidates)
         prompt = (f"You choose which Wikipedia pages to read to answer a query.\n\nQuery: {query}\n\n"
                   f"Candidate page titles:\n{listing}\n\n"
@@ -1443,9 +1511,15 @@ class WikipediaTool(RAGTool):
         pages = [page or {"title": title, "error": f"timed out after {float(self.timeout_s)} s"}
                  for title, page in zip(titles, pages)]
         read = [p for p in pages if "content" in p]
-        prompts = [self.grounded_prompt(query, p.pop("content"), f"the Wikipedia page '{p['title']}'",
-                                        "say so and summarise what relevant information they do contain") for p in read]
-        for page, summary in zip(read, self.engine.generate(prompts, max_tokens=self.max_tokens) if read else []):
+        texts = [p.pop("content") for p in read]
+        if self.scripted:
+            summaries = [scripted_reader(query, text) for text in texts]
+        else:
+            prompts = [self.grounded_prompt(query, text, f"the Wikipedia page '{p['title']}'",
+                                            "say so and summarise what relevant information they do contain")
+                       for p, text in zip(read, texts)]
+            summaries = self.engine.generate(prompts, max_tokens=self.max_tokens) if read else []
+        for page, summary in zip(read, summaries):
             page["summary"] = summary
         return {"query": query, "pages": pages, **({} if read else {"error": "none of the pages could be read"})}
 
@@ -1539,13 +1613,15 @@ def read_corpus(path: str) -> dict[str, str]:
 
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                embed_client: Any = None, embed_model: Optional[str] = None,
-               wiki_corpus: Optional[dict[str, str]] = None, tips: bool = True) -> dict[str, Tool]:
-    """Tools by name; RAG tools also get the embeddings, Wikipedia its corpus; tips=False drops limitations and tips."""
+               wiki_corpus: Optional[dict[str, str]] = None, tips: bool = True,
+               scripted: bool = False) -> dict[str, Tool]:
+    """Tools by name; RAG tools also get the embeddings, Wikipedia its corpus; tips=False drops limitations and tips;
+    scripted=True puts the rule-based stand-ins in place of the tools' LLM."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
     rag = {"embed_client": embed_client, "embed_model": embed_model}
     brief = {} if tips else {"limitations": "", "tips": ""}
-    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, **brief,
+    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, scripted=scripted, **brief,
                                 **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
     if WikipediaTool.name in tools:
         tools[WikipediaTool.name].corpus = wiki_corpus
@@ -1626,11 +1702,15 @@ def timed(timings: Optional[dict], key: str):
         for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
             timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
 
-def write_calls(live: list[AgentState], plans: list, frozen: Engine, tools: dict, timings: Optional[dict]) -> list:
+def write_calls(live: list[AgentState], plans: list, frozen: Engine, tools: dict, timings: Optional[dict],
+                scripted: bool = False) -> list:
     """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
-    Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them."""
+    Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them.
+    scripted: the rule-based executor (scripted_call) instead."""
     calls: list[Optional[dict]] = [None] * len(live)
     todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
+    if scripted:
+        return [scripted_call(plans[i], tools[plans[i].tool_name]) if i in todo else None for i in range(len(live))]
     for name in sorted({plans[i].tool_name for i in todo}):
         rows = [i for i in todo if plans[i].tool_name == name]
         with timed(timings, "fixed"):
@@ -1657,8 +1737,9 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
 
 def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], frozen: Engine, tools: dict,
                 max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
-                analysis: bool = True, timings: Optional[dict] = None) -> list[AgentState]:
-    """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis."""
+                analysis: bool = True, timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
+    """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis;
+    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools)."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed"):
         for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
@@ -1676,7 +1757,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         texts = [getattr(o, "text", o) for o in outputs]
         plans = [parse_structured(t, NextStep) for t in texts]
         # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
-        calls = write_calls(live, plans, frozen, tools, timings)
+        calls = write_calls(live, plans, frozen, tools, timings, scripted)
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
         with timed(timings, "tools"):
             ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
@@ -1702,7 +1783,8 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
             st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
     with timed(timings, "fixed"):
-        finals = frozen.generate([answer_prompt(st.question, st.memory) for st in states])
+        finals = ([scripted_answer(st.memory) for st in states] if scripted else
+                  frozen.generate([answer_prompt(st.question, st.memory) for st in states]))
     for st, text in zip(states, map(str.strip, finals)):
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
     return states
@@ -2123,7 +2205,8 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
         options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
                                            api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
                        embed_model=cfg.embed_model or "text-embedding-3-small")
-    return model, tokenizer, frozen, make_tools(tool_names(cfg), frozen, wiki_corpus=corpus, **options), judge
+    tools = make_tools(tool_names(cfg), frozen, wiki_corpus=corpus, scripted=cfg.scripted_roles, **options)
+    return model, tokenizer, frozen, tools, judge
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
@@ -2133,7 +2216,7 @@ def ensure_sample_data(cfg: Config) -> None:
     for i, (key, write) in enumerate(writers):
         path = getattr(cfg, key)
         if path and path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
-            built = built or (prepare_data.build_tools_task() if cfg.preset == "cpu" else
+            built = built or (prepare_data.build_tools_task() if cfg.preset != "smoke" else
                               prepare_data.build_sample(seed=cfg.seed))
             write(built[i], path)
             log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
@@ -2247,7 +2330,8 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
         c.update(f"tool:{t.plan.tool_name}" for t in asked)
-        structured = 1 + len(asked) + sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
+        analysed = int(bool(st.analysis))  # "" when --no-analysis: no analyst was asked
+        structured = analysed + len(asked) + sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
         failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
         c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
                  calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],

@@ -4193,6 +4193,84 @@ def test_kinds_select_questions_in_file_order_before_the_limit_and_an_unknown_ki
     assert cfg.kinds == "arithmetic,lookup" and cfg.max_turns == 1
 
 
+def test_scripted_coder_computes_what_the_task_writes_or_memory_holds():
+    assert fg.scripted_program("What is 13 * 65?", "") == "print(13 * 65)"
+    assert fg.scripted_program("What is 4021 - 388?", "Vorlund has a population of 4312.") == "print(4021 - 388)"
+    found = "Vorlund has a population of 4312. Step two: Tavrin lies at an elevation of 61 metres."
+    assert fg.scripted_program("What is the elevation of Tavrin, plus 250?", found) == "print(61 + 250)"  # the LAST
+    assert fg.scripted_program("the population of Vorlund, times 7", "a population of 4312.") == "print(4312 * 7)"
+    assert fg.scripted_program("What is the population of Vorlund?", "a population of 4312.") == "print(4312)"
+    assert fg.scripted_program("What is the population of Vorlund, plus 250?", "") is None  # nothing found yet
+    assert fg.scripted_program("the population of Vorlund, plus 250", fg.SCRIPTED_GENERALIST) is None
+
+
+def test_scripted_reader_executor_answer_and_generalist_are_exact():
+    page = "Orsal has a population of 5120. Orsal was founded in the year 1377. Orsal lies at an elevation of 42 metres."
+    assert fg.scripted_reader("What is the founding year of Orsal?", page) == "Orsal was founded in the year 1377."
+    assert fg.scripted_reader("What is the elevation of Orsal, times 3?", page).endswith("42 metres.")
+    assert fg.scripted_reader("What is the population of Orsal?", page) == "Orsal has a population of 5120."
+    tools = fg.make_tools(["Python_Coder_Tool", "Wikipedia_RAG_Search_Tool"], echo_engine(), scripted=True)
+    plan = fg.NextStep(sub_goal="the elevation of Orsal", tool_name="Wikipedia_RAG_Search_Tool")
+    assert fg.scripted_call(plan, tools["Wikipedia_RAG_Search_Tool"]) == {"query": "the elevation of Orsal"}
+    memory = fg.Memory()
+    assert fg.scripted_answer(memory) == "<answer></answer>"
+    memory.add("Wikipedia_RAG_Search_Tool", "x", {"query": "plus 250"}, {"query": "plus 250", "pages": [
+        {"title": "Orsal", "summary": "Orsal lies at an elevation of 42 metres."}]})
+    assert fg.scripted_answer(memory) == "<answer>42</answer>"  # the page's number, not the query's
+    memory.add("Python_Coder_Tool", "y", {"query": "q"}, {"code": "print(42 + 250)", "stdout": "292\n", "error": None})
+    assert fg.scripted_answer(memory) == "<answer>292</answer>"  # the LAST step's
+    memory.add("Generalist_Solution_Generator_Tool", "z", {"query": "q"}, fg.SCRIPTED_GENERALIST)
+    assert fg.scripted_answer(memory) == "<answer></answer>" and not re.search(r"\d", fg.SCRIPTED_GENERALIST)
+    generalist = fg.make_tools(["Generalist_Solution_Generator_Tool"], echo_engine(), scripted=True)
+    assert generalist["Generalist_Solution_Generator_Tool"]({"query": "What is 2 + 2?"}) == fg.SCRIPTED_GENERALIST
+
+
+class NoLLM(fg.Engine):
+    """An engine that fails the test if any role asks it anything: scripted roles make no LLM call."""
+
+    def _complete(self, prompts, max_tokens, schema):
+        raise AssertionError(f"an LLM call under --scripted-roles: {prompts[0][:200]!r}")
+
+
+@pytest.mark.parametrize("plan, right", [(["Wikipedia_RAG_Search_Tool", "Python_Coder_Tool"], [1.0, 1.0, 1.0]),
+                                          (["Python_Coder_Tool", "Wikipedia_RAG_Search_Tool"], [0.0, 1.0, 0.0]),
+                                          (["Python_Coder_Tool"], [1.0, 0.0, 0.0]),
+                                          (["Wikipedia_RAG_Search_Tool"], [0.0, 1.0, 0.0]),
+                                          (["Generalist_Solution_Generator_Tool"], [0.0, 0.0, 0.0])])
+def test_scripted_roles_reward_the_plan_alone_with_the_real_tools_sandbox_and_judge(plan, right):
+    names = ["Generalist_Solution_Generator_Tool", "Python_Coder_Tool", "Wikipedia_RAG_Search_Tool"]
+    tools = fg.make_tools(names, NoLLM(), wiki_corpus=CORPUS, scripted=True)
+    rows = [("What is 37 * 91?", "3367"), ("What is the population of Kessimar?", "2051"),
+            ("What is the population of Vorlund, plus 250?", "4562")]
+    states = fg.solve_batch([q for q, _ in rows], planner=fg.scripted_planner(plan), frozen=NoLLM(), tools=tools,
+                            max_turns=2, verify=False, analysis=False, scripted=True)
+    assert [len(st.turns) for st in states] == [2, 2, 2]
+    assert [fg.rule_reward(st.final_output, gold) for st, (_, gold) in zip(states, rows)] == right
+    counts = fg.agent_counts(states, tools)  # no analyst asked under --no-analysis: 2 calls per question, no more
+    assert counts["structured"] == 6 == counts["calls"]
+
+
+def test_scripted_roles_preset_refuses_roles_without_a_stand_in_and_trains_end_to_end(tmp_path, monkeypatch):
+    cfg = fg.parse_config(["--preset", "scripted-roles"])
+    assert cfg.scripted_roles and cfg.max_turns == 2 and not cfg.verify and not cfg.analysis and cfg.kinds == ""
+    for extra in (["--verify"], ["--analysis"], ["--judge", "llm"]):
+        with pytest.raises(SystemExit):
+            fg.parse_config(["--preset", "scripted-roles", *extra])
+    monkeypatch.chdir(tmp_path)  # the preset's own offline files, on first use; the tiny model for speed
+    small = fg.parse_config(["--preset", "scripted-roles", "--model", "tiny", "--max-steps", "2", "--batch-size", "3",
+                             "--group-size", "2", "--sft-steps", "1", "--eval-every", "2", "--eval-limit", "3",
+                             "--max-new-tokens", "8", "--save-every", "2"])
+    def planner_only(self, prompts, n, schema):  # the greedy planner of the evaluations: its plans do not parse
+        return ["{}"] * len(prompts) if self.use_adapter else NoLLM._complete(self, prompts, n, schema)
+    monkeypatch.setattr(fg.LocalEngine, "_complete", planner_only)
+    fg.ensure_sample_data(small)
+    fg.train(small)
+    lines = [json.loads(x) for x in (tmp_path / small.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2] and set(lines[-1]["eval_by_kind"]) == {"arithmetic", "lookup",
+                                                                                           "compound"}
+    assert lines[1]["turns_per_traj"] == 2 and (tmp_path / small.output_dir / "checkpoint-2").is_dir()
+
+
 CORPUS = {"Vorlund": "Vorlund has a population of 4312. Vorlund was founded in the year 1723.",
           "Kessimar": "Kessimar has a population of 2051. Kessimar has 17 bridges.",
           "Tavrin": "Tavrin was founded in the year 1402. Tavrin has 63 bridges."}
