@@ -1494,14 +1494,22 @@ def test_local_engine_decodes_what_greedy_generate_does(tiny, monkeypatch):
     model, tok = tiny
     prompts = ["Say hello.", "Count to ten, slowly, in words, one number a line.", "x", "Say hello."]
     free = fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40, temperature=0)
-    monkeypatch.setattr(model.generation_config, "eos_token_id", int(free[2].action_ids[5]))  # a random model's
-    monkeypatch.setattr(tok, "eos_token_id", int(free[2].action_ids[5]))  # rows must end somewhere
-    enc = tok(rendered(tok, prompts), return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids = model.generate(**enc, do_sample=False, max_new_tokens=40, pad_token_id=tok.pad_token_id)
-    want = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert fg.LocalEngine(model, tok, max_tokens=40)._generate(prompts, 40) == want
-    assert min(len(s.action_ids) for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40,
-                                                            temperature=0)) <= 6  # a row did leave early
+    eos = int(free[2].action_ids[5])  # a random model's rows must end somewhere
+    monkeypatch.setattr(model.generation_config, "eos_token_id", eos)
+    # A v5 tokenizer's eos_token_id lives in its special-tokens map, not in its __dict__: monkeypatch would undo it
+    # with delattr, which fails (pytest 9.2). So it is set and restored by hand.
+    old_eos, tok.eos_token_id = tok.eos_token_id, eos
+    try:
+        enc = tok(rendered(tok, prompts), return_tensors="pt", padding=True, padding_side="left",
+                  add_special_tokens=False)
+        ids = model.generate(**enc, do_sample=False, max_new_tokens=40, pad_token_id=tok.pad_token_id)
+        want = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert fg.LocalEngine(model, tok, max_tokens=40)._generate(prompts, 40) == want
+        assert min(len(s.action_ids) for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40,
+                                                                temperature=0)) <= 6  # a row did leave early
+    finally:
+        tok.eos_token_id = old_eos
+    assert tok.eos_token_id == old_eos  # the module's shared tokenizer is as it was
 
 
 def test_dropping_ended_rows_copies_only_the_rows_that_move(tiny):
