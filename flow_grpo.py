@@ -76,6 +76,7 @@ from typing import Any, Callable, Optional
 import llguidance, requests, torch, wikipedia
 from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -2077,16 +2078,19 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model = model.to(device)  # not .to(device, dtype): that would also round the float32 RoPE frequencies
     elif trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-    if cfg.adapter and not (Path(cfg.adapter) / "adapter_config.json").exists():
-        raise SystemExit(f"error: --adapter {cfg.adapter}: no adapter_config.json (use a checkpoint-<step> folder)")
-    try:  # an adapter trained on another base model (shapes differ), --lora-targets that name no module
+    for name, what in (("adapter_config.json", "its config"), ("adapter_model.safetensors", "its weights")):
+        if cfg.adapter and not (Path(cfg.adapter) / name).exists():  # (else peft takes the folder for a Hub repo id)
+            raise SystemExit(f"error: --adapter {cfg.adapter}: no {name} ({what}; use a checkpoint-<step> folder)")
+    # An adapter trained on another base model (shapes differ), --lora-targets that name no module, a config without
+    # 'peft_type' (KeyError), torn weights (SafetensorError): one line each.
+    try:
         if cfg.adapter:
             model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=trainable)
         elif trainable:
             model = get_peft_model(model, LoraConfig(
                 r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
                 target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()], task_type="CAUSAL_LM"))
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, KeyError, SafetensorError) as e:
         raise SystemExit(f"error: could not attach the LoRA adapter to {cfg.model!r}: {_short_error(e)}")
     if trainable and cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -2234,10 +2238,10 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     keep = []
-    for line in path.read_text().splitlines() if path.exists() else []:  # (a missing log is written empty)
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            if json.loads(line)["step"] <= max_step:
-                keep.append(line + "\n")
+    for line in path.read_bytes().splitlines() if path.exists() else []:  # (a missing log is written empty)
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # bytes: a torn tail may be invalid UTF-8, which
+            if json.loads(line)["step"] <= max_step:  # json.loads refuses as a ValueError (UnicodeDecodeError)
+                keep.append(line.decode() + "\n")
     path.write_text("".join(keep))
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
@@ -2430,11 +2434,13 @@ def train(cfg: Config) -> Path:
     digest = hashlib.sha256(json.dumps(data_rows, default=str).encode()).hexdigest()
     train_data = f"{len(data_rows)} rows, sha256 {digest[:12]}"
     last = resume_point(out_dir, cfg, train_data)
-    lock = (out_dir / ".lock").open("w")  # held while this process lives: two runs in one folder would mix their logs
-    try:
+    try:  # held while this process lives: two runs in one folder would mix their logs
+        lock = (out_dir / ".lock").open("w")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
+    except OSError as e:  # an existing folder on a read-only disk, or another user's (before the model loads)
+        raise SystemExit(f"error: cannot write in --output-dir {out_dir}: {e.strerror}") from None
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
     start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
@@ -2642,8 +2648,8 @@ def plot_run(cfg: Config) -> None:
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
     lines = []
-    for line in path.read_text().splitlines():  # a line torn by a crash is skipped, as --resume drops it
-        with contextlib.suppress(ValueError):
+    for line in path.read_bytes().splitlines():  # a line torn by a crash is skipped, as --resume drops it
+        with contextlib.suppress(ValueError):  # (bytes: a torn tail may be invalid UTF-8, a ValueError here)
             lines.append(json.loads(line))
     steps, evals = [m for m in lines if "reward_mean" in m], [m for m in lines if "eval_accuracy" in m]
     if not steps and not evals:

@@ -9,6 +9,7 @@ import ast
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import faulthandler
 import importlib.util
 import json
@@ -17,6 +18,7 @@ import operator
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -3315,6 +3317,9 @@ def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, 
     log_file.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')  # crash mid-write
     fg.trim_jsonl(log_file, 2)
     assert log_file.read_text() == '{"step": 1}\n{"step": 2}\n'
+    log_file.write_bytes('{"step": 1, "q": "Zoë"}\n{"step": 2}\n{"step": 3, "q": "Zo'.encode() + b"\xc3")  # torn
+    fg.trim_jsonl(log_file, 5)  # mid-character: invalid UTF-8 (it was a UnicodeDecodeError traceback)
+    assert log_file.read_text() == '{"step": 1, "q": "Zoë"}\n{"step": 2}\n'
     (tmp_path / "checkpoint-2").mkdir()
     with pytest.raises(SystemExit, match="--resume"):  # a new run must not overwrite an old one's logs
         fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
@@ -3503,7 +3508,17 @@ def write_parquet(path, **columns):
     return path
 
 
-@pytest.mark.parametrize("case", ["no result column", "not parquet", "a folder", "output-dir is a file"])
+def refusing_lock(real_open):
+    """Path.open as on a read-only disk for `.lock` (mounting one needs root): what train() opens first there."""
+    def fake_open(self, *args, **kwargs):
+        if self.name == ".lock":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_open(self, *args, **kwargs)
+    return fake_open
+
+
+@pytest.mark.parametrize("case", ["no result column", "not parquet", "a folder", "output-dir is a file",
+                                  "output-dir is read-only"])
 def test_unusable_input_is_one_error_line_and_exit_code_2(tmp_path, sample_data, monkeypatch, case):
     monkeypatch.setattr(fg, "build_system", lambda *a, **k: pytest.fail("not refused before loading the model"))
     train, out = sample_data / "train.parquet", tmp_path / "out"
@@ -3514,6 +3529,9 @@ def test_unusable_input_is_one_error_line_and_exit_code_2(tmp_path, sample_data,
         train.write_text("question,result\n2+2?,4\n")
     elif case == "a folder":
         train = tmp_path
+    elif case == "output-dir is read-only":  # an existing folder: mkdir passes, the lock file cannot be made
+        out.mkdir()
+        monkeypatch.setattr(Path, "open", refusing_lock(Path.open))
     else:
         out.write_text("a file, not a folder")
     with pytest.raises(SystemExit) as e:  # `python flow_grpo.py` prints it and exits with 2 (see the next test)
@@ -3529,9 +3547,18 @@ def test_a_model_or_adapter_that_does_not_load_is_one_error_line(tmp_path):
     from safetensors.torch import load_file, save_file
     weights = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     save_file({k: torch.zeros(2, 3) for k in weights}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    for name, damage in (("truncated", lambda p: p.write_bytes(p.read_bytes()[:100])),
+                         ("zero-bytes", lambda p: p.write_bytes(b"")), ("no-weights", lambda p: p.unlink()),
+                         ("empty-config", lambda p: (p.parent / "adapter_config.json").write_text("{}"))):
+        shutil.copytree(tmp_path / "adapter", tmp_path / name)
+        damage(tmp_path / name / "adapter_model.safetensors")
     for flags, what in ((dict(model=str(tmp_path / "empty")), "could not load model"),  # a folder with no model
                         (dict(adapter=str(tmp_path / "adapter")), "could not attach"),  # trained on another base
-                        (dict(lora_targets="foo_proj"), "could not attach")):
+                        (dict(lora_targets="foo_proj"), "could not attach"),
+                        (dict(adapter=str(tmp_path / "truncated")), "SafetensorError"),  # a partial copy
+                        (dict(adapter=str(tmp_path / "zero-bytes")), "SafetensorError"),  # 0 bytes
+                        (dict(adapter=str(tmp_path / "no-weights")), "no adapter_model.safetensors (its weights"),
+                        (dict(adapter=str(tmp_path / "empty-config")), "'peft_type'")):
         with pytest.raises(SystemExit) as e:
             fg.load_policy(dataclasses.replace(cfg, **flags), "cpu", trainable=True)
         assert str(e.value.code).startswith("error:") and what in str(e.value.code), e.value.code
@@ -3740,7 +3767,8 @@ def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
         fg.main(["--plot", "--output-dir", str(tmp_path)])
     lines = [{"step": s, "reward_mean": r, "plan_parse_rate": p, "tool_share": {"Python_Coder_Tool": t,
               "Generalist_Solution_Generator_Tool": 1 - t}} for s, r, p, t in [(1, 0.25, 0.9, 0.5), (2, 0.5, 1.0, 0.75)]]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 3, "rew')  # torn
+    torn = b'{"step": 3, "q": "Zo\xc3'  # mid-character: invalid UTF-8
+    (tmp_path / "metrics.jsonl").write_bytes("".join(json.dumps(m) + "\n" for m in lines).encode() + torn)
     assert fg.main(["--plot", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["step", "reward", "plans", "parsed", "Generalist", "share", "Python", "share"]
