@@ -997,7 +997,8 @@ class Memory:
 
 # --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
 #   layer                 | what it stops                                     | how
-#   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
+#   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn,  | env=; setrlimit in init
+#                         | fds (with the process cap: the host's file table) |
 #   code in a memfd       | other users reading it in ps; argv's size limit   | init reads it, closes it
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
 #   output in memfds      | FIFO or path games with our copy of the output    | we read descriptors, not paths
@@ -1008,19 +1009,28 @@ class Memory:
 #   network namespace     | every network, 127.0.0.1 included                 | unshare --net (lo stays down)
 #   cgroup (root only)    | children that together exhaust memory or PIDs     | memory + pids limits per run
 #   a guard, death signal | tasks, cgroups, dir outliving deadline or trainer | the jail's sh at SIGTERM; pdeathsig
-#   seccomp (libseccomp)  | keyrings (ours, other runs'), ptrace, io_uring    | EPERM filter; new session keyring
+#   seccomp (libseccomp)  | keyrings (ours, other runs'), ptrace, io_uring,   | EPERM filter; new session keyring
+#                         | inotify (a per-user count shared by all runs)     |
 
 SANDBOX_MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: caps files AND stdout/stderr (they are files)
 SANDBOX_MAX_PROCESSES = 256  # processes + threads: the cgroup's pids.max, else RLIMIT_NPROC of its uid
+# RLIMIT_NOFILE is per process, so a run holds at most 256 x 256 = 65,536 open files (threads share a table): the
+# inherited limit (20,000 here) x 256 processes filled a host's whole file table (2.4 M) in 6 s.
+SANDBOX_MAX_FILES = 256
 SANDBOX_TMPFS_MB = 64  # the private tmpfs, the only writable place (cwd = HOME = /tmp); it counts as memory
 _SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.base_prefix, sys.prefix)
 _SANDBOX: Optional[tuple[bool, bool, bool]] = None  # probed once: namespaces? cgroups? (seccomp?)
+_SANDBOX_DEAD: Optional[str] = None  # why no probe ran: then no Python tool call can
 _SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run while the probe runs
 # As root of the new mount namespace: make a tmpfs root of the dirs up to "--" (r/o), start the rest in the cgroups
 # ($1), stay as its guard: at SIGTERM (the deadline, or our death: its parent-death signal) kill every task there,
 # then remove the cgroups and the run's dir, which the tmpfs covers (not /tmp: a Python under /tmp stays visible).
 _JAIL_SETUP = f"""set -e; umask 022; run=$PWD cgs=$1; shift
-trap 'term=1; kill -9 $child $(for cg in $cgs; do cat "$cg/cgroup.procs"; done) 2>/dev/null || :' TERM
+# It kills unshare's child (the PID namespace's init) and the cgroups' tasks, not unshare itself: unshare then reaps
+# its child. Killed together, the child's zombie went to the trainer when it is PID 1 or a subreaper (a container).
+stop() {{ kill -9 $(cat "/proc/$child/task/$child/children"
+  for cg in $cgs; do grep -vx "$child" "$cg/cgroup.procs"; done) || kill -9 $child; }}
+trap 'term=1; stop 2>/dev/null' TERM
 mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox "$run"; cd "$run"
 while [ "$1" != -- ]; do  # a symlink (/bin -> usr/bin, a venv's path) is bound at its own path, as a dir
   if [ -d "$1" ] && [ ! -e ".$1" ]; then  # (not inside an earlier one)
@@ -1051,7 +1061,8 @@ def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
         ctypes.CDLL(None).syscall(seccomp.seccomp_syscall_resolve_name(b"keyctl"), 1, None)  # JOIN_SESSION_KEYRING
         seccomp.seccomp_init.restype = ctypes.c_void_p
         ctx = ctypes.c_void_p(seccomp.seccomp_init(0x7FFF0000))  # SCMP_ACT_ALLOW what no rule names
-        for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup"):
+        for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup", b"inotify_init",
+                     b"inotify_init1", b"fanotify_init"):  # inotify: 128 per user, all runs' (and watches on us)
             seccomp.seccomp_rule_add(ctx, 0x50001, seccomp.seccomp_syscall_resolve_name(name), 0)  # EPERM
         seccomp.seccomp_load(ctx)
     except OSError:
@@ -1136,8 +1147,11 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
     try:
         os.pwrite(code_fd, code.encode("utf-8"), 0)
         made = _make_cgroups(memory_mb) if cgroups else []
+        # MSGQUEUE 0: POSIX queues count per uid, so one run could take all of a concurrent run's (mq_open: EMFILE).
+        # MEMLOCK, SIGPENDING stay as inherited: locked pages count in RLIMIT_AS and the cgroup.
         limits = {resource.RLIMIT_AS: memory_mb << 20, resource.RLIMIT_CPU: math.ceil(timeout_s) + 1,
-                  resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0}
+                  resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0,
+                  resource.RLIMIT_NOFILE: SANDBOX_MAX_FILES, resource.RLIMIT_MSGQUEUE: 0}
         if not made:  # NPROC counts ALL processes of the uid (as root: of every sandbox); pids.max is per run
             limits[resource.RLIMIT_NPROC] = SANDBOX_MAX_PROCESSES
         init = [sys.executable, "-I", "-S", "-c", _SANDBOX_INIT_SOURCE, repr(limits)]
@@ -1174,7 +1188,7 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
 def sandbox_missing_layers() -> list[str]:
     """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
     with a snippet that checks them: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
-    global _SANDBOX
+    global _SANDBOX, _SANDBOX_DEAD
     with _SANDBOX_LOCK:
         if _SANDBOX is None:
             check = ("import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read(), "
@@ -1187,21 +1201,42 @@ def sandbox_missing_layers() -> list[str]:
                         seccomp = probe["stdout"].endswith("True\n")
                         break
                     errors += [probe["error"]] if probe["error"] else []
+            else:  # not even the last probe ran: every call would fail the same way
+                _SANDBOX_DEAD = _why_python_fails(errors)
             _SANDBOX = (jail, cgroups, seccomp)  # (where no probe ran, no call will: no filter is missed)
             if missing := [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]:
                 why = f" ({errors[0][:200]})" if errors else ""
                 log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]
 
+def _why_python_fails(errors: list[str]) -> str:
+    """Why no probe ran. Root runs code as uid 65534: a folder or file on the interpreter's path (or its target's)
+    that "others" may not enter (/root/.pyenv, a venv in /root) is the usual cause; else the last probe's error."""
+    here = Path(sys.executable)
+    for path in (*reversed(here.parents), here, *reversed(here.resolve().parents), here.resolve()):
+        if os.geteuid() == 0 and path.stat().st_uid != 65534 and not path.stat().st_mode & 0o001:
+            return f"the interpreter is not readable by uid 65534: {path} (mode {path.stat().st_mode & 0o777:o})"
+    return errors[-1] if errors else "no sandbox could start"
+
+def python_tool_check() -> None:
+    """The Python tool's start-up self-test: the probe's one-line snippet must have run, else one error line."""
+    sandbox_missing_layers()
+    if _SANDBOX_DEAD:
+        raise SystemExit(f"error: the Python tool cannot run code here: {_SANDBOX_DEAD[:300]} (or leave "
+                         f"{PythonCoderTool.name} out of --tools)")
+
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
     sandbox_missing_layers()
+    size, error = len(code.encode("utf-8", "replace")), None  # the snippet is a file: RLIMIT_FSIZE would kill init
     try:
-        return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX[:2])
+        if size < SANDBOX_MAX_FILE_BYTES:
+            return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX[:2])
+        error = f"the code is too large: {size:,} bytes (at most {SANDBOX_MAX_FILE_BYTES // 2**20} MB)"
     except Exception as e:  # our side failed (no fork, a lone surrogate in code): a value, never an exception
-        return {"stdout": "", "stderr": "", "error": f"sandbox failure: {type(e).__name__}: {e}",
-                "timed_out": False, "returncode": None}
+        error = f"sandbox failure: {type(e).__name__}: {e}"
+    return {"stdout": "", "stderr": "", "error": error, "timed_out": False, "returncode": None}
 
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -1550,6 +1585,8 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
                                 **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
     if WikipediaTool.name in tools:
         tools[WikipediaTool.name].corpus = wiki_corpus
+    if PythonCoderTool.name in tools:
+        python_tool_check()
     return tools
 
 # ======== 11. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====

@@ -8,6 +8,7 @@ system cannot give (a namespace, the real model) skips with the reason; it never
 import ast
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import faulthandler
@@ -22,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -2246,6 +2248,122 @@ def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, 
     assert capsys.readouterr().err.splitlines() == ["sandbox: no namespaces, no cgroup here (unshare: unshare failed: "
                                                     "Operation not permitted) (see the README)"]
 
+
+
+def test_a_python_tool_that_cannot_run_stops_the_run_with_one_error_line(monkeypatch):
+    """An interpreter behind a folder closed to others (/root/.pyenv, a venv in /root): root's code runs as uid
+    65534, so every call would fail. The start-up self-test says so once, unless the Python tool is not used."""
+    closed = Path(tempfile.mkdtemp(prefix="flowgrpo-closed-"))  # (in /tmp, which others may enter)
+    (closed / "python").symlink_to(sys.executable)
+    os.chmod(closed, 0o700 if os.geteuid() == 0 else 0o000)  # (an ordinary user is "others" of no folder of his)
+    monkeypatch.setattr(sys, "executable", str(closed / "python"))
+    monkeypatch.setattr(fg, "_SANDBOX_READ_ONLY", (*fg._SANDBOX_READ_ONLY, str(closed)))  # (in the jail)
+    monkeypatch.setattr(fg, "_SANDBOX", None)
+    monkeypatch.setattr(fg, "_SANDBOX_DEAD", None)
+    try:
+        assert fg.make_tools(["Generalist_Solution_Generator_Tool"], fg.Engine())  # no Python tool: no check
+        with pytest.raises(SystemExit) as e:
+            fg.make_tools(["Python_Coder_Tool"], fg.Engine())
+    finally:
+        os.chmod(closed, 0o700)
+        shutil.rmtree(closed)
+    msg = str(e.value.code)
+    assert msg.startswith("error: the Python tool cannot run code here: ") and "\n" not in msg, msg
+    if os.geteuid() == 0:
+        assert f"not readable by uid 65534: {closed} (mode 700)" in msg, msg
+
+
+def _file_table_use() -> float:
+    used, _, most = map(int, Path("/proc/sys/fs/file-nr").read_text().split())
+    return used / most
+
+
+_FD_FLOOD = """import os, time
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:  # the process cap
+        break
+    if pid == 0:
+        fds = []
+        try:
+            while len(fds) < 20000:
+                fds.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        os.write(1, f"{len(fds)}\\n".encode())  # one write: 200 children's lines do not interleave
+        time.sleep(60)
+time.sleep(60)
+"""
+
+
+def test_an_fd_flood_across_forks_leaves_the_host_and_a_concurrent_run_alone():
+    """200 children opening 20,000 files each once filled the host's file table (2.4 M) in 6 s, and a concurrent
+    run could not start. Now each process holds at most SANDBOX_MAX_FILES, and processes are capped."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        flood = pool.submit(fg.run_python, _FD_FLOOD, timeout_s=6)
+        peak, other, start = 0.0, None, time.monotonic()
+        while not flood.done() and time.monotonic() < start + 20:
+            peak = max(peak, _file_table_use())
+            if other is None and time.monotonic() > start + 3:  # while the flood holds its files
+                other = fg.run_python("print(1)", timeout_s=5)
+            time.sleep(0.05)
+        result = flood.result(timeout=20)
+    counts = [int(n) for n in result["stdout"].split()]
+    assert counts and max(counts) <= fg.SANDBOX_MAX_FILES, result
+    assert other == {**other, "stdout": "1\n", "error": None}, other
+    assert peak < 0.5, f"the host's file table was {peak:.0%} full"
+
+
+_IPC_HOG = """import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+got = {"inotify": 0, "mq": 0}
+while got["inotify"] < 1000 and libc.inotify_init1(0) >= 0:
+    got["inotify"] += 1
+while got["mq"] < 1000 and libc.mq_open(f"/q{got['mq']}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None) >= 0:
+    got["mq"] += 1
+print(got, flush=True)
+time.sleep(SLEEP)
+"""
+
+
+def test_inotify_and_message_queues_of_one_run_cannot_starve_a_concurrent_one():
+    """Both are counted per uid, and every run had the same uid: one run that took them all made a concurrent
+    run's inotify_init1 and mq_open fail. Now no run gets any (seccomp, RLIMIT_MSGQUEUE 0): there is none to take."""
+    alone = fg.run_python(_IPC_HOG.replace("SLEEP", "0"))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hog = pool.submit(fg.run_python, _IPC_HOG.replace("SLEEP", "60"), timeout_s=4)
+        time.sleep(1.5)
+        beside = fg.run_python(_IPC_HOG.replace("SLEEP", "0"))
+        hogged = hog.result(timeout=20)
+    assert alone["error"] is None and beside == alone, (alone, beside)
+    assert hogged["stdout"] == alone["stdout"], hogged
+    assert "'mq': 0" in alone["stdout"], alone
+    if "seccomp" not in fg.sandbox_missing_layers():
+        assert alone["stdout"] == "{'inotify': 0, 'mq': 0}\n", alone
+
+
+def test_code_over_the_file_limit_gets_a_size_message():
+    result = fg.run_python("#" * fg.SANDBOX_MAX_FILE_BYTES)
+    assert result["error"] == "the code is too large: 16,777,216 bytes (at most 16 MB)", result
+
+
+def test_a_timed_out_run_leaves_no_zombie_when_the_trainer_is_a_subreaper():
+    """In a container the trainer is PID 1 or a subreaper: orphans come to it, and it waits only for its own
+    children. The jail's guard kills the PID namespace's init, which unshare reaps, so none is orphaned."""
+    libc = ctypes.CDLL(None)
+    assert libc.prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        result = fg.run_python("import os\nfor _ in range(3):\n    os.fork()\nwhile True:\n    pass", timeout_s=1)
+        time.sleep(0.5)
+        me = os.getpid()
+        children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+        zombies = [pid for pid in children if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] == "Z"]
+    finally:
+        libc.prctl(36, 0)
+        for pid in zombies:  # (a failing run reaps what it left)
+            os.waitpid(int(pid), 0)
+    assert result["timed_out"] and zombies == [], (result, zombies)
 
 def test_chunk_words_size_and_overlap():
     words = [f"w{i}" for i in range(10)]
