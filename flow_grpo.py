@@ -1992,13 +1992,17 @@ def claimed(pred: str, gold: str) -> bool:
         return False
     core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
     n, number = len(words), to_number(spelled(gold)) is not None
+    # A name before the first comma is the answer given; a later one adds to it ('Benjamin Franklin, with edits by
+    # Thomas Jefferson' is not 'Thomas Jefferson'). Not 'Yes,' or 'Historically,' (one word: a name has two).
+    comma = next((k for k, w in enumerate(words) if w.endswith(",")), n)
+    named = 0 < comma < n and all(w[:1].isupper() for w in words[:comma + 1])
     for i, j in ((i, j) for i in range(n) for j in range(i + 1, min(n, i + len(gold.split()) + 1) + 1)):
         outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
         if not i and core[0] == "no" and words[0][-1] == ",":  # 'No, it does not converge': its 'not' agrees, but
             outside = re.sub(r"\b(?:not|never)\b|n't\b", "", outside).replace("yes", "no")  # 'No, yes' takes it back
         linked = core[i - 1] in LINKS or number and core[i - 1] == "of"  # 'of' for numbers: 'a population of 2894.'
         rival = " ".join(core[j:]) if i and core[i - 1] in VERBS else outside  # 'A, plus 464, is 3358': operands
-        if i and not linked or HEDGES.search(outside) or number and re.search(r"\d", rival):
+        if i and not linked or named and i > comma or HEDGES.search(outside) or number and re.search(r"\d", rival):
             continue
         last, after = words[j - 1], core[j]
         if not i:  # first: a verb follows ('Jupiter is ...'), a comma after yes/no ('Yes, it converges'), or alone

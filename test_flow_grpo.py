@@ -3268,6 +3268,11 @@ NQ_HANDMADE = [
     ("<answer>Obama, Barack and Michelle</answer>", "Barack Obama", 0),
     ("<answer>Paris</answer> is in France; <answer>Paris, Texas</answer>", "Paris", 0),
     ("The search returned Lyon first.\n<answer>Paris</answer>", "Paris", 1),
+    ("Benjamin Franklin, with edits by Thomas Jefferson", "Thomas Jefferson", 0),  # another name first
+    ("<answer>Benjamin Franklin, with edits by Thomas Jefferson.</answer>", "Thomas Jefferson", 0),
+    ("Thomas Jefferson, with edits by Benjamin Franklin.", "Thomas Jefferson", 1),
+    ("Historically, it was written by Thomas Jefferson.", "Thomas Jefferson", 1),
+    ("In 1776, the Declaration was written by Thomas Jefferson.", "Thomas Jefferson", 1),
 ]
 
 
