@@ -76,6 +76,7 @@ from typing import Any, Callable, Optional
 import llguidance, requests, torch, wikipedia
 from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -1011,7 +1012,8 @@ class Memory:
 
 # --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
 #   layer                 | what it stops                                     | how
-#   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn   | env=; setrlimit in init
+#   fixed env, rlimits    | os.environ; a huge allocation or file, CPU burn,  | env=; setrlimit in init
+#                         | fds (with the process cap: the host's file table) |
 #   code in a memfd       | other users reading it in ps; argv's size limit   | init reads it, closes it
 #   deadline + group kill | hangs, children left running                      | proc.wait(timeout), killpg
 #   output in memfds      | FIFO or path games with our copy of the output    | we read descriptors, not paths
@@ -1022,19 +1024,28 @@ class Memory:
 #   network namespace     | every network, 127.0.0.1 included                 | unshare --net (lo stays down)
 #   cgroup (root only)    | children that together exhaust memory or PIDs     | memory + pids limits per run
 #   a guard, death signal | tasks, cgroups, dir outliving deadline or trainer | the jail's sh at SIGTERM; pdeathsig
-#   seccomp (libseccomp)  | keyrings (ours, other runs'), ptrace, io_uring    | EPERM filter; new session keyring
+#   seccomp (libseccomp)  | keyrings (ours, other runs'), ptrace, io_uring,   | EPERM filter; new session keyring
+#                         | inotify (a per-user count shared by all runs)     |
 
 SANDBOX_MAX_FILE_BYTES = 16 * 1024 * 1024  # RLIMIT_FSIZE: caps files AND stdout/stderr (they are files)
 SANDBOX_MAX_PROCESSES = 256  # processes + threads: the cgroup's pids.max, else RLIMIT_NPROC of its uid
+# RLIMIT_NOFILE is per process, so a run holds at most 256 x 256 = 65,536 open files (threads share a table): the
+# inherited limit (20,000 here) x 256 processes filled a host's whole file table (2.4 M) in 6 s.
+SANDBOX_MAX_FILES = 256
 SANDBOX_TMPFS_MB = 64  # the private tmpfs, the only writable place (cwd = HOME = /tmp); it counts as memory
 _SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.base_prefix, sys.prefix)
 _SANDBOX: Optional[tuple[bool, bool, bool]] = None  # probed once: namespaces? cgroups? (seccomp?)
+_SANDBOX_DEAD: Optional[str] = None  # why no probe ran: then no Python tool call can
 _SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run while the probe runs
 # As root of the new mount namespace: make a tmpfs root of the dirs up to "--" (r/o), start the rest in the cgroups
 # ($1), stay as its guard: at SIGTERM (the deadline, or our death: its parent-death signal) kill every task there,
 # then remove the cgroups and the run's dir, which the tmpfs covers (not /tmp: a Python under /tmp stays visible).
 _JAIL_SETUP = f"""set -e; umask 022; run=$PWD cgs=$1; shift
-trap 'term=1; kill -9 $child $(for cg in $cgs; do cat "$cg/cgroup.procs"; done) 2>/dev/null || :' TERM
+# It kills unshare's child (the PID namespace's init) and the cgroups' tasks, not unshare itself: unshare then reaps
+# its child. Killed together, the child's zombie went to the trainer when it is PID 1 or a subreaper (a container).
+stop() {{ kill -9 $(cat "/proc/$child/task/$child/children"
+  for cg in $cgs; do grep -vx "$child" "$cg/cgroup.procs"; done) || kill -9 $child; }}
+trap 'term=1; stop 2>/dev/null' TERM
 mount -t tmpfs -o size={SANDBOX_TMPFS_MB}m,mode=755,nosuid,nodev sandbox "$run"; cd "$run"
 while [ "$1" != -- ]; do  # a symlink (/bin -> usr/bin, a venv's path) is bound at its own path, as a dir
   if [ -d "$1" ] && [ ! -e ".$1" ]; then  # (not inside an earlier one)
@@ -1065,7 +1076,8 @@ def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
         ctypes.CDLL(None).syscall(seccomp.seccomp_syscall_resolve_name(b"keyctl"), 1, None)  # JOIN_SESSION_KEYRING
         seccomp.seccomp_init.restype = ctypes.c_void_p
         ctx = ctypes.c_void_p(seccomp.seccomp_init(0x7FFF0000))  # SCMP_ACT_ALLOW what no rule names
-        for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup"):
+        for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup", b"inotify_init",
+                     b"inotify_init1", b"fanotify_init"):  # inotify: 128 per user, all runs' (and watches on us)
             seccomp.seccomp_rule_add(ctx, 0x50001, seccomp.seccomp_syscall_resolve_name(name), 0)  # EPERM
         seccomp.seccomp_load(ctx)
     except OSError:
@@ -1150,8 +1162,11 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
     try:
         os.pwrite(code_fd, code.encode("utf-8"), 0)
         made = _make_cgroups(memory_mb) if cgroups else []
+        # MSGQUEUE 0: POSIX queues count per uid, so one run could take all of a concurrent run's (mq_open: EMFILE).
+        # MEMLOCK, SIGPENDING stay as inherited: locked pages count in RLIMIT_AS and the cgroup.
         limits = {resource.RLIMIT_AS: memory_mb << 20, resource.RLIMIT_CPU: math.ceil(timeout_s) + 1,
-                  resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0}
+                  resource.RLIMIT_FSIZE: SANDBOX_MAX_FILE_BYTES, resource.RLIMIT_CORE: 0,
+                  resource.RLIMIT_NOFILE: SANDBOX_MAX_FILES, resource.RLIMIT_MSGQUEUE: 0}
         if not made:  # NPROC counts ALL processes of the uid (as root: of every sandbox); pids.max is per run
             limits[resource.RLIMIT_NPROC] = SANDBOX_MAX_PROCESSES
         init = [sys.executable, "-I", "-S", "-c", _SANDBOX_INIT_SOURCE, repr(limits)]
@@ -1188,7 +1203,7 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
 def sandbox_missing_layers() -> list[str]:
     """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
     with a snippet that checks them: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
-    global _SANDBOX
+    global _SANDBOX, _SANDBOX_DEAD
     with _SANDBOX_LOCK:
         if _SANDBOX is None:
             check = ("import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read(), "
@@ -1201,21 +1216,42 @@ def sandbox_missing_layers() -> list[str]:
                         seccomp = probe["stdout"].endswith("True\n")
                         break
                     errors += [probe["error"]] if probe["error"] else []
+            else:  # not even the last probe ran: every call would fail the same way
+                _SANDBOX_DEAD = _why_python_fails(errors)
             _SANDBOX = (jail, cgroups, seccomp)  # (where no probe ran, no call will: no filter is missed)
             if missing := [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]:
                 why = f" ({errors[0][:200]})" if errors else ""
                 log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]
 
+def _why_python_fails(errors: list[str]) -> str:
+    """Why no probe ran. Root runs code as uid 65534: a folder or file on the interpreter's path (or its target's)
+    that "others" may not enter (/root/.pyenv, a venv in /root) is the usual cause; else the last probe's error."""
+    here = Path(sys.executable)
+    for path in (*reversed(here.parents), here, *reversed(here.resolve().parents), here.resolve()):
+        if os.geteuid() == 0 and path.stat().st_uid != 65534 and not path.stat().st_mode & 0o001:
+            return f"the interpreter is not readable by uid 65534: {path} (mode {path.stat().st_mode & 0o777:o})"
+    return errors[-1] if errors else "no sandbox could start"
+
+def python_tool_check() -> None:
+    """The Python tool's start-up self-test: the probe's one-line snippet must have run, else one error line."""
+    sandbox_missing_layers()
+    if _SANDBOX_DEAD:
+        raise SystemExit(f"error: the Python tool cannot run code here: {_SANDBOX_DEAD[:300]} (or leave "
+                         f"{PythonCoderTool.name} out of --tools)")
+
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
     sandbox_missing_layers()
+    size, error = len(code.encode("utf-8", "replace")), None  # the snippet is a file: RLIMIT_FSIZE would kill init
     try:
-        return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX[:2])
+        if size < SANDBOX_MAX_FILE_BYTES:
+            return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX[:2])
+        error = f"the code is too large: {size:,} bytes (at most {SANDBOX_MAX_FILE_BYTES // 2**20} MB)"
     except Exception as e:  # our side failed (no fork, a lone surrogate in code): a value, never an exception
-        return {"stdout": "", "stderr": "", "error": f"sandbox failure: {type(e).__name__}: {e}",
-                "timed_out": False, "returncode": None}
+        error = f"sandbox failure: {type(e).__name__}: {e}"
+    return {"stdout": "", "stderr": "", "error": error, "timed_out": False, "returncode": None}
 
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -1625,6 +1661,8 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
                                 **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
     if WikipediaTool.name in tools:
         tools[WikipediaTool.name].corpus = wiki_corpus
+    if PythonCoderTool.name in tools:
+        python_tool_check()
     return tools
 
 # ======== 11. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
@@ -2036,13 +2074,17 @@ def claimed(pred: str, gold: str) -> bool:
         return False
     core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
     n, number = len(words), to_number(spelled(gold)) is not None
+    # A name before the first comma is the answer given; a later one adds to it ('Benjamin Franklin, with edits by
+    # Thomas Jefferson' is not 'Thomas Jefferson'). Not 'Yes,' or 'Historically,' (one word: a name has two).
+    comma = next((k for k, w in enumerate(words) if w.endswith(",")), n)
+    named = 0 < comma < n and all(w[:1].isupper() for w in words[:comma + 1])
     for i, j in ((i, j) for i in range(n) for j in range(i + 1, min(n, i + len(gold.split()) + 1) + 1)):
         outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
         if not i and core[0] == "no" and words[0][-1] == ",":  # 'No, it does not converge': its 'not' agrees, but
             outside = re.sub(r"\b(?:not|never)\b|n't\b", "", outside).replace("yes", "no")  # 'No, yes' takes it back
         linked = core[i - 1] in LINKS or number and core[i - 1] == "of"  # 'of' for numbers: 'a population of 2894.'
         rival = " ".join(core[j:]) if i and core[i - 1] in VERBS else outside  # 'A, plus 464, is 3358': operands
-        if i and not linked or HEDGES.search(outside) or number and re.search(r"\d", rival):
+        if i and not linked or named and i > comma or HEDGES.search(outside) or number and re.search(r"\d", rival):
             continue
         last, after = words[j - 1], core[j]
         if not i:  # first: a verb follows ('Jupiter is ...'), a comma after yes/no ('Yes, it converges'), or alone
@@ -2159,16 +2201,19 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model = model.to(device)  # not .to(device, dtype): that would also round the float32 RoPE frequencies
     elif trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-    if cfg.adapter and not (Path(cfg.adapter) / "adapter_config.json").exists():
-        raise SystemExit(f"error: --adapter {cfg.adapter}: no adapter_config.json (use a checkpoint-<step> folder)")
-    try:  # an adapter trained on another base model (shapes differ), --lora-targets that name no module
+    for name, what in (("adapter_config.json", "its config"), ("adapter_model.safetensors", "its weights")):
+        if cfg.adapter and not (Path(cfg.adapter) / name).exists():  # (else peft takes the folder for a Hub repo id)
+            raise SystemExit(f"error: --adapter {cfg.adapter}: no {name} ({what}; use a checkpoint-<step> folder)")
+    # An adapter trained on another base model (shapes differ), --lora-targets that name no module, a config without
+    # 'peft_type' (KeyError), torn weights (SafetensorError): one line each.
+    try:
         if cfg.adapter:
             model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=trainable)
         elif trainable:
             model = get_peft_model(model, LoraConfig(
                 r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
                 target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()], task_type="CAUSAL_LM"))
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, KeyError, SafetensorError) as e:
         raise SystemExit(f"error: could not attach the LoRA adapter to {cfg.model!r}: {_short_error(e)}")
     if trainable and cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -2317,10 +2362,10 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     keep = []
-    for line in path.read_text().splitlines() if path.exists() else []:  # (a missing log is written empty)
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            if json.loads(line)["step"] <= max_step:
-                keep.append(line + "\n")
+    for line in path.read_bytes().splitlines() if path.exists() else []:  # (a missing log is written empty)
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # bytes: a torn tail may be invalid UTF-8, which
+            if json.loads(line)["step"] <= max_step:  # json.loads refuses as a ValueError (UnicodeDecodeError)
+                keep.append(line.decode() + "\n")
     path.write_text("".join(keep))
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
@@ -2514,11 +2559,13 @@ def train(cfg: Config) -> Path:
     digest = hashlib.sha256(json.dumps(data_rows, default=str).encode()).hexdigest()
     train_data = f"{len(data_rows)} rows, sha256 {digest[:12]}"
     last = resume_point(out_dir, cfg, train_data)
-    lock = (out_dir / ".lock").open("w")  # held while this process lives: two runs in one folder would mix their logs
-    try:
+    try:  # held while this process lives: two runs in one folder would mix their logs
+        lock = (out_dir / ".lock").open("w")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
+    except OSError as e:  # an existing folder on a read-only disk, or another user's (before the model loads)
+        raise SystemExit(f"error: cannot write in --output-dir {out_dir}: {e.strerror}") from None
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
     start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
@@ -2726,8 +2773,8 @@ def plot_run(cfg: Config) -> None:
     if not path.exists():
         raise SystemExit(f"error: {path} not found; train with this --output-dir first")
     lines = []
-    for line in path.read_text().splitlines():  # a line torn by a crash is skipped, as --resume drops it
-        with contextlib.suppress(ValueError):
+    for line in path.read_bytes().splitlines():  # a line torn by a crash is skipped, as --resume drops it
+        with contextlib.suppress(ValueError):  # (bytes: a torn tail may be invalid UTF-8, a ValueError here)
             lines.append(json.loads(line))
     steps, evals = [m for m in lines if "reward_mean" in m], [m for m in lines if "eval_accuracy" in m]
     if not steps and not evals:

@@ -8,7 +8,9 @@ system cannot give (a namespace, the real model) skips with the reason; it never
 import ast
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import faulthandler
 import importlib.util
 import json
@@ -17,9 +19,11 @@ import operator
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -1494,14 +1498,22 @@ def test_local_engine_decodes_what_greedy_generate_does(tiny, monkeypatch):
     model, tok = tiny
     prompts = ["Say hello.", "Count to ten, slowly, in words, one number a line.", "x", "Say hello."]
     free = fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40, temperature=0)
-    monkeypatch.setattr(model.generation_config, "eos_token_id", int(free[2].action_ids[5]))  # a random model's
-    monkeypatch.setattr(tok, "eos_token_id", int(free[2].action_ids[5]))  # rows must end somewhere
-    enc = tok(rendered(tok, prompts), return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids = model.generate(**enc, do_sample=False, max_new_tokens=40, pad_token_id=tok.pad_token_id)
-    want = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert fg.LocalEngine(model, tok, max_tokens=40)._generate(prompts, 40) == want
-    assert min(len(s.action_ids) for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40,
-                                                            temperature=0)) <= 6  # a row did leave early
+    eos = int(free[2].action_ids[5])  # a random model's rows must end somewhere
+    monkeypatch.setattr(model.generation_config, "eos_token_id", eos)
+    # A v5 tokenizer's eos_token_id lives in its special-tokens map, not in its __dict__: monkeypatch would undo it
+    # with delattr, which fails (pytest 9.2). So it is set and restored by hand.
+    old_eos, tok.eos_token_id = tok.eos_token_id, eos
+    try:
+        enc = tok(rendered(tok, prompts), return_tensors="pt", padding=True, padding_side="left",
+                  add_special_tokens=False)
+        ids = model.generate(**enc, do_sample=False, max_new_tokens=40, pad_token_id=tok.pad_token_id)
+        want = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert fg.LocalEngine(model, tok, max_tokens=40)._generate(prompts, 40) == want
+        assert min(len(s.action_ids) for s in fg.sample_actions(model, tok, rendered(tok, prompts), max_new_tokens=40,
+                                                                temperature=0)) <= 6  # a row did leave early
+    finally:
+        tok.eos_token_id = old_eos
+    assert tok.eos_token_id == old_eos  # the module's shared tokenizer is as it was
 
 
 def test_dropping_ended_rows_copies_only_the_rows_that_move(tiny):
@@ -2236,6 +2248,122 @@ def test_a_missing_layer_is_logged_once_and_the_sandbox_still_runs(monkeypatch, 
     assert capsys.readouterr().err.splitlines() == ["sandbox: no namespaces, no cgroup here (unshare: unshare failed: "
                                                     "Operation not permitted) (see the README)"]
 
+
+
+def test_a_python_tool_that_cannot_run_stops_the_run_with_one_error_line(monkeypatch):
+    """An interpreter behind a folder closed to others (/root/.pyenv, a venv in /root): root's code runs as uid
+    65534, so every call would fail. The start-up self-test says so once, unless the Python tool is not used."""
+    closed = Path(tempfile.mkdtemp(prefix="flowgrpo-closed-"))  # (in /tmp, which others may enter)
+    (closed / "python").symlink_to(sys.executable)
+    os.chmod(closed, 0o700 if os.geteuid() == 0 else 0o000)  # (an ordinary user is "others" of no folder of his)
+    monkeypatch.setattr(sys, "executable", str(closed / "python"))
+    monkeypatch.setattr(fg, "_SANDBOX_READ_ONLY", (*fg._SANDBOX_READ_ONLY, str(closed)))  # (in the jail)
+    monkeypatch.setattr(fg, "_SANDBOX", None)
+    monkeypatch.setattr(fg, "_SANDBOX_DEAD", None)
+    try:
+        assert fg.make_tools(["Generalist_Solution_Generator_Tool"], fg.Engine())  # no Python tool: no check
+        with pytest.raises(SystemExit) as e:
+            fg.make_tools(["Python_Coder_Tool"], fg.Engine())
+    finally:
+        os.chmod(closed, 0o700)
+        shutil.rmtree(closed)
+    msg = str(e.value.code)
+    assert msg.startswith("error: the Python tool cannot run code here: ") and "\n" not in msg, msg
+    if os.geteuid() == 0:
+        assert f"not readable by uid 65534: {closed} (mode 700)" in msg, msg
+
+
+def _file_table_use() -> float:
+    used, _, most = map(int, Path("/proc/sys/fs/file-nr").read_text().split())
+    return used / most
+
+
+_FD_FLOOD = """import os, time
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:  # the process cap
+        break
+    if pid == 0:
+        fds = []
+        try:
+            while len(fds) < 20000:
+                fds.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        os.write(1, f"{len(fds)}\\n".encode())  # one write: 200 children's lines do not interleave
+        time.sleep(60)
+time.sleep(60)
+"""
+
+
+def test_an_fd_flood_across_forks_leaves_the_host_and_a_concurrent_run_alone():
+    """200 children opening 20,000 files each once filled the host's file table (2.4 M) in 6 s, and a concurrent
+    run could not start. Now each process holds at most SANDBOX_MAX_FILES, and processes are capped."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        flood = pool.submit(fg.run_python, _FD_FLOOD, timeout_s=6)
+        peak, other, start = 0.0, None, time.monotonic()
+        while not flood.done() and time.monotonic() < start + 20:
+            peak = max(peak, _file_table_use())
+            if other is None and time.monotonic() > start + 3:  # while the flood holds its files
+                other = fg.run_python("print(1)", timeout_s=5)
+            time.sleep(0.05)
+        result = flood.result(timeout=20)
+    counts = [int(n) for n in result["stdout"].split()]
+    assert counts and max(counts) <= fg.SANDBOX_MAX_FILES, result
+    assert other == {**other, "stdout": "1\n", "error": None}, other
+    assert peak < 0.5, f"the host's file table was {peak:.0%} full"
+
+
+_IPC_HOG = """import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+got = {"inotify": 0, "mq": 0}
+while got["inotify"] < 1000 and libc.inotify_init1(0) >= 0:
+    got["inotify"] += 1
+while got["mq"] < 1000 and libc.mq_open(f"/q{got['mq']}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None) >= 0:
+    got["mq"] += 1
+print(got, flush=True)
+time.sleep(SLEEP)
+"""
+
+
+def test_inotify_and_message_queues_of_one_run_cannot_starve_a_concurrent_one():
+    """Both are counted per uid, and every run had the same uid: one run that took them all made a concurrent
+    run's inotify_init1 and mq_open fail. Now no run gets any (seccomp, RLIMIT_MSGQUEUE 0): there is none to take."""
+    alone = fg.run_python(_IPC_HOG.replace("SLEEP", "0"))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hog = pool.submit(fg.run_python, _IPC_HOG.replace("SLEEP", "60"), timeout_s=4)
+        time.sleep(1.5)
+        beside = fg.run_python(_IPC_HOG.replace("SLEEP", "0"))
+        hogged = hog.result(timeout=20)
+    assert alone["error"] is None and beside == alone, (alone, beside)
+    assert hogged["stdout"] == alone["stdout"], hogged
+    assert "'mq': 0" in alone["stdout"], alone
+    if "seccomp" not in fg.sandbox_missing_layers():
+        assert alone["stdout"] == "{'inotify': 0, 'mq': 0}\n", alone
+
+
+def test_code_over_the_file_limit_gets_a_size_message():
+    result = fg.run_python("#" * fg.SANDBOX_MAX_FILE_BYTES)
+    assert result["error"] == "the code is too large: 16,777,216 bytes (at most 16 MB)", result
+
+
+def test_a_timed_out_run_leaves_no_zombie_when_the_trainer_is_a_subreaper():
+    """In a container the trainer is PID 1 or a subreaper: orphans come to it, and it waits only for its own
+    children. The jail's guard kills the PID namespace's init, which unshare reaps, so none is orphaned."""
+    libc = ctypes.CDLL(None)
+    assert libc.prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        result = fg.run_python("import os\nfor _ in range(3):\n    os.fork()\nwhile True:\n    pass", timeout_s=1)
+        time.sleep(0.5)
+        me = os.getpid()
+        children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+        zombies = [pid for pid in children if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] == "Z"]
+    finally:
+        libc.prctl(36, 0)
+        for pid in zombies:  # (a failing run reaps what it left)
+            os.waitpid(int(pid), 0)
+    assert result["timed_out"] and zombies == [], (result, zombies)
 
 def test_chunk_words_size_and_overlap():
     words = [f"w{i}" for i in range(10)]
@@ -3140,6 +3268,11 @@ NQ_HANDMADE = [
     ("<answer>Obama, Barack and Michelle</answer>", "Barack Obama", 0),
     ("<answer>Paris</answer> is in France; <answer>Paris, Texas</answer>", "Paris", 0),
     ("The search returned Lyon first.\n<answer>Paris</answer>", "Paris", 1),
+    ("Benjamin Franklin, with edits by Thomas Jefferson", "Thomas Jefferson", 0),  # another name first
+    ("<answer>Benjamin Franklin, with edits by Thomas Jefferson.</answer>", "Thomas Jefferson", 0),
+    ("Thomas Jefferson, with edits by Benjamin Franklin.", "Thomas Jefferson", 1),
+    ("Historically, it was written by Thomas Jefferson.", "Thomas Jefferson", 1),
+    ("In 1776, the Declaration was written by Thomas Jefferson.", "Thomas Jefferson", 1),
 ]
 
 
@@ -3307,6 +3440,9 @@ def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, 
     log_file.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')  # crash mid-write
     fg.trim_jsonl(log_file, 2)
     assert log_file.read_text() == '{"step": 1}\n{"step": 2}\n'
+    log_file.write_bytes('{"step": 1, "q": "Zoë"}\n{"step": 2}\n{"step": 3, "q": "Zo'.encode() + b"\xc3")  # torn
+    fg.trim_jsonl(log_file, 5)  # mid-character: invalid UTF-8 (it was a UnicodeDecodeError traceback)
+    assert log_file.read_text() == '{"step": 1, "q": "Zoë"}\n{"step": 2}\n'
     (tmp_path / "checkpoint-2").mkdir()
     with pytest.raises(SystemExit, match="--resume"):  # a new run must not overwrite an old one's logs
         fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
@@ -3495,7 +3631,17 @@ def write_parquet(path, **columns):
     return path
 
 
-@pytest.mark.parametrize("case", ["no result column", "not parquet", "a folder", "output-dir is a file"])
+def refusing_lock(real_open):
+    """Path.open as on a read-only disk for `.lock` (mounting one needs root): what train() opens first there."""
+    def fake_open(self, *args, **kwargs):
+        if self.name == ".lock":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_open(self, *args, **kwargs)
+    return fake_open
+
+
+@pytest.mark.parametrize("case", ["no result column", "not parquet", "a folder", "output-dir is a file",
+                                  "output-dir is read-only"])
 def test_unusable_input_is_one_error_line_and_exit_code_2(tmp_path, sample_data, monkeypatch, case):
     monkeypatch.setattr(fg, "build_system", lambda *a, **k: pytest.fail("not refused before loading the model"))
     train, out = sample_data / "train.parquet", tmp_path / "out"
@@ -3506,6 +3652,9 @@ def test_unusable_input_is_one_error_line_and_exit_code_2(tmp_path, sample_data,
         train.write_text("question,result\n2+2?,4\n")
     elif case == "a folder":
         train = tmp_path
+    elif case == "output-dir is read-only":  # an existing folder: mkdir passes, the lock file cannot be made
+        out.mkdir()
+        monkeypatch.setattr(Path, "open", refusing_lock(Path.open))
     else:
         out.write_text("a file, not a folder")
     with pytest.raises(SystemExit) as e:  # `python flow_grpo.py` prints it and exits with 2 (see the next test)
@@ -3521,9 +3670,18 @@ def test_a_model_or_adapter_that_does_not_load_is_one_error_line(tmp_path):
     from safetensors.torch import load_file, save_file
     weights = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     save_file({k: torch.zeros(2, 3) for k in weights}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    for name, damage in (("truncated", lambda p: p.write_bytes(p.read_bytes()[:100])),
+                         ("zero-bytes", lambda p: p.write_bytes(b"")), ("no-weights", lambda p: p.unlink()),
+                         ("empty-config", lambda p: (p.parent / "adapter_config.json").write_text("{}"))):
+        shutil.copytree(tmp_path / "adapter", tmp_path / name)
+        damage(tmp_path / name / "adapter_model.safetensors")
     for flags, what in ((dict(model=str(tmp_path / "empty")), "could not load model"),  # a folder with no model
                         (dict(adapter=str(tmp_path / "adapter")), "could not attach"),  # trained on another base
-                        (dict(lora_targets="foo_proj"), "could not attach")):
+                        (dict(lora_targets="foo_proj"), "could not attach"),
+                        (dict(adapter=str(tmp_path / "truncated")), "SafetensorError"),  # a partial copy
+                        (dict(adapter=str(tmp_path / "zero-bytes")), "SafetensorError"),  # 0 bytes
+                        (dict(adapter=str(tmp_path / "no-weights")), "no adapter_model.safetensors (its weights"),
+                        (dict(adapter=str(tmp_path / "empty-config")), "'peft_type'")):
         with pytest.raises(SystemExit) as e:
             fg.load_policy(dataclasses.replace(cfg, **flags), "cpu", trainable=True)
         assert str(e.value.code).startswith("error:") and what in str(e.value.code), e.value.code
@@ -3732,7 +3890,8 @@ def test_plot_prints_reward_parse_rate_and_tool_shares(tmp_path, capsys):
         fg.main(["--plot", "--output-dir", str(tmp_path)])
     lines = [{"step": s, "reward_mean": r, "plan_parse_rate": p, "tool_share": {"Python_Coder_Tool": t,
               "Generalist_Solution_Generator_Tool": 1 - t}} for s, r, p, t in [(1, 0.25, 0.9, 0.5), (2, 0.5, 1.0, 0.75)]]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 3, "rew')  # torn
+    torn = b'{"step": 3, "q": "Zo\xc3'  # mid-character: invalid UTF-8
+    (tmp_path / "metrics.jsonl").write_bytes("".join(json.dumps(m) + "\n" for m in lines).encode() + torn)
     assert fg.main(["--plot", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["step", "reward", "plans", "parsed", "Generalist", "share", "Python", "share"]
