@@ -2611,30 +2611,47 @@ def train(cfg: Config) -> Path:
     return last
 
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
-                       lr: float = 2e-2) -> list[float]:
-    """The tiny model on a one-turn toy task (reward = the share of digits in the action): mean reward per step. The
-    trainer's own sampling, advantages, loss and update, so a rising curve shows the update's sign and scale are right.
-    lr 2e-2: higher, a solved seed (all advantages 0) can drift back on Adam's scaled-up KL gradient."""
+                       lr: float = 2e-2, turns: int = 1) -> list:
+    """The tiny model on a toy task: mean reward per step. The trainer's own sampling, advantages, loss and update, so a
+    rising curve shows the update's sign and scale are right. lr 2e-2: higher, a solved seed (all advantages 0) can
+    drift back on Adam's scaled-up KL gradient.
+    turns=1: reward = the share of digits in the action (d1).
+    turns=2: Flow-GRPO's credit assignment. Turn 1 writes; its result (" number" if d1 >= 0.5, else " text") ends
+    turn 2's prompt, and turn 2 must carry on in that kind: part2 = its digits' share after a number, else its
+    non-digits' share. reward = d1 * part2: ONE number per trajectory, broadcast as the same advantage to the rows of
+    both turns; per step (reward, d1, part2). Part2 starts high (text after text), dips as turn 1 learns digits, and
+    only the final reward can teach turn 2 to follow a number with digits. Raw prompts, short and turn-specific at
+    the end: the random 64-wide model's output depends mostly on the last tokens (a chat template ends both turns
+    alike). Tried and stalled at reward ~0.25 in some seeds: turn 2 the OTHER kind than turn 1 (the tiny model's
+    output moves mostly along one direction shared by both turns, so opposite targets pull against each other)."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
-                 max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
+                 max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
                  lora_targets=Config.lora_targets + ",lm_head")
     torch.manual_seed(seed)
     model, tokenizer = load_policy(cfg, "cpu", trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
-    prompts = [render_chat(tokenizer, f"Reply with digits only. Task {i}.") for i in range(batch)]
+    prompts = [render_chat(tokenizer, f"Reply with digits only. Task {i}.") if turns == 1 else f"Task {i}. Step 1:"
+               for i in range(batch) for _ in range(group)]
+    digits = lambda text: sum(c.isdigit() for c in text) / max(1, len(text))  # the digits' share
+    sample = lambda ps: sample_actions(model, tokenizer, ps, max_new_tokens=max_new_tokens, temperature=cfg.temperature)
     curve = []
     for step in range(1, steps + 1):
         model.eval()
-        samples = sample_actions(model, tokenizer, [p for p in prompts for _ in range(group)],
-                                 max_new_tokens=max_new_tokens, temperature=cfg.temperature)
-        rewards = [sum(c.isdigit() for c in s.text) / max(1, len(s.text)) for s in samples]  # the digits' share
-        adv_B = group_advantages(rewards, [i // group for i in range(len(samples))])
-        rows = [Row(**vars(s), advantage=float(a), traj_id=i) for i, (s, a) in enumerate(zip(samples, adv_B))]
+        acts = [sample(prompts)]  # acts[turn][trajectory]
+        rewards = d1 = [digits(s.text) for s in acts[0]]
+        if turns == 2:  # turn 2's prompt: turn 1's action and its result
+            acts.append(sample([f"{s.text} gave{' number' if d >= 0.5 else ' text'}" for s, d in zip(acts[0], d1)]))
+            part2 = [digits(s.text) if d >= 0.5 else 1 - digits(s.text) for s, d in zip(acts[1], d1)]
+            rewards = [a * b for a, b in zip(d1, part2)]
+        adv_B = group_advantages(rewards, [i // group for i in range(len(rewards))])
+        rows = [Row(**vars(s), advantage=float(a), traj_id=i)  # a row per turn, its trajectory's advantage
+                for turn in acts for i, (s, a) in enumerate(zip(turn, adv_B))]
         fill_old_and_ref(model, rows, cfg, step)
         update_policy(model, optimizer, rows, cfg, step)
         scheduler.step()
-        curve.append(sum(rewards) / len(rewards))
+        n = len(rewards)
+        curve.append(sum(rewards) / n if turns == 1 else (sum(rewards) / n, sum(d1) / n, sum(part2) / n))
     return curve
 
 # ======== 15. Evaluation and the command line ========================================================
@@ -2756,15 +2773,23 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
     print(f"wrote {path}")
 
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> None:
-    """--learning-curve: the toy task for 3 seeds; reward per step as a text chart, and learning_curve.png."""
+    """--learning-curve: the one- and two-turn toy tasks for 3 seeds; reward per step as a text chart (two turns: each
+    seed's reward, then the mean parts of turn 1 and turn 2, as toy_learning_curve defines them), learning_curve.png."""
     curves = [toy_learning_curve(seed=seed, steps=steps) for seed in seeds]  # ~3 s each
-    print("step  " + "  ".join(f"seed{s}" for s in seeds) + "   mean  (reward = share of digits in the answer)")
+    two = [toy_learning_curve(seed=seed, steps=steps, turns=2) for seed in seeds]  # ~5 s each
+    head = "step  " + "  ".join(f"seed{s}" for s in seeds) + "   mean  (reward = share of digits in the answer)"
+    print(f"{head:76s}|" + "".join(f"{h:>6s}" for h in [f"seed{s}" for s in seeds] + ["mean", "turn1", "turn2"]))
     for t in range(steps):
         mean = sum(c[t] for c in curves) / len(curves)
-        print(f"{t + 1:4d}  " + "  ".join(f"{c[t]:5.2f}" for c in curves) + f"  {mean:5.2f}  " + "#" * round(40 * mean))
+        print(f"{t + 1:4d}  " + "  ".join(f"{c[t]:5.2f}" for c in curves) + f"  {mean:5.2f}  " + "#" * round(40 * mean)
+              + " " * (40 - round(40 * mean)) + " |" + "".join(f"{c[t][0]:6.2f}" for c in two)
+              + "".join(f"{sum(c[t][k] for c in two) / len(two):6.2f}" for k in (0, 1, 2)))
+    print("right of |: the two-turn toy, reward = d1 x part2 per seed and mean; turn1 = mean d1, turn2 = mean part2")
     save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
-             {f"seed {s}": c for s, c in zip(seeds, curves)}, "mean reward (share of digits)",
-             "Flow-GRPO update on the toy task (tiny random Qwen2, CPU)")
+             {**{f"seed {s}": c for s, c in zip(seeds, curves)},
+              **{f"two turns, seed {s}": [r for r, *_ in c] for s, c in zip(seeds, two)}},
+             "mean reward (share of digits; two turns: d1 x part2)",
+             "Flow-GRPO update on the toy tasks (tiny random Qwen2, CPU)")
 
 def plot_run(cfg: Config) -> None:
     """--plot: per step of the run in --output-dir: reward, plan-parse rate, each tool's share (a table, curve.png),

@@ -3406,6 +3406,15 @@ def test_learning_toy_task_reward_rises():
     assert first < 0.1 and last > first + 0.3, curve  # a wrong sign or scale would stay flat or fall
 
 
+def test_learning_toy_two_turns_turn2_learns_from_the_final_reward():
+    """The two-turn toy: one reward per trajectory, broadcast to both turns' rows, teaches turn 2 to follow turn 1's
+    number with digits (its part dips while turn 1 learns digits, then must come back from the final reward)."""
+    curve = fg.toy_learning_curve(seed=0, steps=30, turns=2)  # as printed (the lr decays over `steps`)
+    reward, part2 = [r for r, _, _ in curve], [p for _, _, p in curve]
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.5, curve  # a flipped advantage sign never gets here
+    assert min(part2[-3:]) > min(part2) + 0.2 and part2[-1] > 0.9, curve  # turn 2 recovers from its dip
+
+
 def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, sample_data, monkeypatch):
     # A random model never earns a reward; alternate 0/1 inside every group so that the adapter, AdamW's moments
     # and the scheduler really change, and a resume that lost any of them would show.
