@@ -115,7 +115,8 @@ class Config:
     dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small "
                         "early LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
     load_in_4bit: bool = option(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
-    gradient_checkpointing: bool = option(False, "trade compute for memory in the update")
+    gradient_checkpointing: bool = option(True, "trade compute for memory in the update: without it one 5k-token "
+                                          "row of Qwen2.5-1.5B needs ~21 GB of activations (README)")
     phase_timeout_s: float = option(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
     # --- data ---
     train_file: str = option("data/train/combined_train.parquet", "training parquet from prepare_data.py")
@@ -150,6 +151,10 @@ class Config:
     ppo_epochs: int = option(1, "passes over each rollout batch")
     num_minibatches: int = option(1, "optimizer steps per pass (the batch is split by trajectory)")
     micro_batch_size: int = option(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
+    max_tokens_per_micro_batch: int = option(16384, "and padded tokens per forward/backward (verl's dynamic batch "
+                                             "size): long rows go in fewer per micro-batch; 0 = rows only")
+    rollout_tokens: int = option(65536, "KV cache of one decode batch, rows x (prompt + new tokens) at most: more "
+                                 "rows are decoded in consecutive chunks; 0 = one batch")
     clip_ratio_c: float = option(3.0, "dual clip (verl's): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
     adv_unit: str = option("trajectory", "advantages over a group's 'trajectory's (paper) or turn 'row's (AgentFlow)")
     # --- optimisation ---
@@ -176,6 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
+                  gradient_checkpointing=False,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia (compound questions: README).
     # KL 0.3 to the warm start brakes the drift to one tool that each update pushes; 24 steps, as a 12-step cosine
@@ -186,6 +192,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
+                gradient_checkpointing=False,
                 lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu"),
 }
@@ -494,13 +501,42 @@ def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Te
     len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
     return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
 
+def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
+    """The padded tokens action_logprobs runs for these rows: each DISTINCT prompt once, then every row's action; with
+    gradient checkpointing (whole_rows: no KV cache) each row runs prompt and action. Memory grows with this count."""
+    P, A = max(len(r.prompt_ids) for r in rows), max(len(r.action_ids) for r in rows)
+    if whole_rows:
+        return len(rows) * (P + A)
+    return len({tuple(r.prompt_ids.tolist()) for r in rows}) * P + len(rows) * A
+
+def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row indices of each forward/backward: at most max_rows rows and max_tokens padded tokens (0 = no token cap; a
+    row over it runs alone). Consecutive rows, so where the token cap never binds these are the plain chunks of max_rows
+    rows; where it binds, rows go longest prompt first (a prompt's rows together): a micro-batch pads to like lengths."""
+    whole = getattr(model, "is_gradient_checkpointing", False)
+    def pack(order) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i in order:
+            fits = out and len(out[-1]) < max_rows and (
+                not max_tokens or forward_tokens([rows[j] for j in out[-1] + [i]], whole) <= max_tokens)
+            if fits:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+    plain = pack(range(len(rows)))
+    if all(len(idx) == min(max_rows, len(rows) - k * max_rows) for k, idx in enumerate(plain)):
+        return plain
+    return pack(sorted(range(len(rows)), key=lambda i: (-len(rows[i].prompt_ids), rows[i].prompt_ids.tolist())))
+
 @torch.no_grad()
 def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
-                  policy=contextlib.nullcontext()) -> None:
-    """No-grad log-probs of every row's actions, stored in row.<attr>, under `policy` (a context: pi_ref's weights)."""
+                  policy=contextlib.nullcontext(), max_tokens: int = 0) -> None:
+    """No-grad log-probs of every row's actions, stored in row.<attr>, under `policy` (a context: pi_ref's weights),
+    in the update's own micro-batches (max_tokens: micro_batches' token cap)."""
     with policy:
-        for i in range(0, len(rows), micro_batch_size):
-            chunk = rows[i:i + micro_batch_size]
+        for idx in micro_batches(model, rows, micro_batch_size, max_tokens):
+            chunk = [rows[i] for i in idx]
             logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
                                     temperature=temperature)
             for r, logp_A in zip(chunk, logps):
@@ -511,8 +547,8 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
     Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
     all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
     total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
-    for i in range(0, len(rows), cfg.micro_batch_size):
-        chunk = rows[i:i + cfg.micro_batch_size]
+    for idx in micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
+        chunk = [rows[i] for i in idx]  # (packed rows need not be consecutive: their weights are taken by position)
         logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
                                                      [r.action_ids for r in chunk], temperature=cfg.temperature))
         dev = logp_BA.device
@@ -520,7 +556,7 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
         ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
         adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
-        w_BA = all_weights_BA[i:i + len(chunk), :mask_BA.shape[1]].to(dev)
+        w_BA = all_weights_BA[idx, :mask_BA.shape[1]].to(dev)
         loss, st = grpo_loss(logp_BA, old_BA, ref_BA, adv_B, mask_BA, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                              clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BA)
         if not torch.isfinite(loss):
@@ -547,7 +583,8 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int, ref_weights
     """pi_old and pi_ref (for a KL term) of every row, no forward pass the update does not need. pi_old: 'captured' =
     the sampler's; 'recompute' = the update's own code, but with ONE pass its forward IS pi_old (old_logp stays None).
     Both from the first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1)."""
-    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
+    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+              max_tokens=cfg.max_tokens_per_micro_batch)
     if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
         return
     if cfg.old_logprobs == "captured":
@@ -2205,7 +2242,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 # The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
 # and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
-               "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
+               "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "max_tokens_per_micro_batch",
+               "rollout_tokens", "tool_workers",
                "request_timeout_s", "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
@@ -2486,6 +2524,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
     lr 2e-2: higher, a solved seed (all advantages 0) can drift back on Adam's scaled-up KL gradient."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group, lora_r=8, lora_alpha=16, temperature=1.0,
+                 gradient_checkpointing=False,
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
                  lora_targets=Config.lora_targets + ",lm_head")
     torch.manual_seed(seed)

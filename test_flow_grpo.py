@@ -819,6 +819,39 @@ def test_gradient_checkpointing_saves_memory_not_gradient():
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("agg", fg.AGGREGATIONS)
+def test_token_budget_micro_batches_give_the_gradient_of_one_big_batch(tiny, agg):
+    """--max-tokens-per-micro-batch packs rows by padded tokens, longest prompt first (not consecutive): each
+    micro-batch's weights are taken by row position, so the accumulated gradient is still the whole minibatch's."""
+    model, tok = tiny
+    torch.manual_seed(2)
+    texts = ["a", "a", "a much longer prompt with many words in it", "bb", "ccc ccc ccc", "a"]
+    samples = fg.sample_actions(model, tok, rendered(tok, texts), max_new_tokens=10, temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0, 0.3, -0.3, 2.0, -2.0])
+    for r, t in zip(rows, [0, 0, 1, 1, 1, 2]):
+        r.traj_id = t
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="ref_logp", policy=fg.adapter_disabled(model))
+    grads, budgets = {}, (0, 60, 1)  # no cap; a cap that packs a few rows; every row alone
+    for budget in budgets:
+        packs = fg.micro_batches(model, rows, 6, budget)
+        assert sorted(i for idx in packs for i in idx) == list(range(6))
+        if budget == 60:  # binding: packed by length, so some micro-batch is not a run of consecutive rows
+            assert 1 < len(packs) < 6 and any(idx != list(range(idx[0], idx[0] + len(idx))) for idx in packs), packs
+            assert all(fg.forward_tokens([rows[i] for i in idx], False) <= 60 for idx in packs if len(idx) > 1)
+        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=6, max_tokens_per_micro_batch=budget, agg=agg,
+                        kl_coef=0.1)
+        model.zero_grad()
+        loss, _ = fg.minibatch_loss_and_backward(model, rows, cfg)
+        grads[budget] = (loss, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+    model.zero_grad()
+    assert fg.micro_batches(model, rows, 4, 10_000) == [[0, 1, 2, 3], [4, 5]]  # not binding: the plain chunks
+    full_loss, full = grads[0]
+    assert full.abs().sum() > 0
+    for budget in budgets[1:]:
+        assert grads[budget][0] == pytest.approx(full_loss, rel=1e-4, abs=1e-6)
+        assert torch.allclose(grads[budget][1], full, rtol=1e-4, atol=1e-7), budget
+
+
 def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
     """With ppo_epochs == num_minibatches == 1 the trainer skips the pi_old pass (old_logp=None: the update's
     own detached log-probs) and the ref pass when kl_coef == 0. Same loss and gradient as computing them."""
