@@ -354,6 +354,22 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                    text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True))
             for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
+def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens: int, max_rows: int = 0) -> list:
+    """Indices of consecutive prompts decoded together: a batch's KV cache holds rows x (longest prompt + new tokens)
+    tokens, kept under max_tokens (0 = no cap) and max_rows rows (0 = no cap). One chunk where all fit: then sampling
+    draws exactly what one call would. Consecutive, so a group's G copies of a prompt stay in one prefill."""
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if max_tokens else []
+    chunks: list[list[int]] = []
+    for i in range(len(prompts)):
+        grown = chunks[-1] + [i] if chunks else []
+        rows_fit = grown and (not max_rows or len(grown) <= max_rows)
+        if rows_fit and (not max_tokens or len(grown) * (max(lengths[j] for j in grown) + max_new_tokens)
+                         <= max_tokens):
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
     """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. The U DISTINCT
@@ -512,7 +528,7 @@ def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
 def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> list[list[int]]:
     """Row indices of each forward/backward: at most max_rows rows and max_tokens padded tokens (0 = no token cap; a
     row over it runs alone). Consecutive rows, so where the token cap never binds these are the plain chunks of max_rows
-    rows; where it binds, rows go longest prompt first (a prompt's rows together): a micro-batch pads to like lengths."""
+    rows; where it binds, rows go longest prompt first (a prompt's rows together): micro-batches pad to like lengths."""
     whole = getattr(model, "is_gradient_checkpointing", False)
     def pack(order) -> list[list[int]]:
         out: list[list[int]] = []
@@ -897,8 +913,10 @@ class LocalEngine(Engine):
     "". Calls queue; whoever gets the lock serves them all in one batch."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
 
-    def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
-        self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
+    def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32,
+                 max_batch_tokens: int = 0):  # max_batch_tokens: a decode batch's KV cache (decode_chunks)
+        self.model, self.tokenizer, self.use_adapter, self.max_batch_tokens = model, tokenizer, use_adapter, \
+            max_batch_tokens
         self.max_tokens, self.batch_size, self._queue_lock = max_tokens, batch_size, threading.Lock()
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use
@@ -941,12 +959,13 @@ class LocalEngine(Engine):
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
         outs: list[str] = []
         with contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model):
-            for i in range(0, len(prompts), self.batch_size):
-                chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
+            rendered = [render_chat(self.tokenizer, p) for p in prompts]
+            for idx in decode_chunks(self.tokenizer, rendered, max_tokens, self.max_batch_tokens, self.batch_size):
+                chunk = [rendered[i] for i in idx]
                 # ~3 characters per token: four strings of max_tokens/2 characters and their keys still close,
                 # and a one-string call (the executor's) can hold a whole question.
                 cap = min(self.max_json_chars, max(8, max_tokens // 2))
-                mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
+                mask = SchemaMask(self._ll_tokenizer, [schemas[i] for i in idx], cap)
                 samples = sample_actions(self.model, self.tokenizer, chunk, max_new_tokens=max_tokens, temperature=0,
                                          share_prefill=self.dedup, choose=mask)  # (it counts tokens and limit hits)
                 outs += [s.text if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
@@ -1763,9 +1782,11 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine,
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
         rendered = [render_chat(tokenizer, p) for p in prompts]
+        chunks = decode_chunks(tokenizer, rendered, cfg.max_new_tokens, cfg.rollout_tokens)
         with MODEL_LOCK:  # a late frozen-role call waits: these samples are the policy's, adapter on
-            return sample_actions(model, tokenizer, rendered, max_new_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, share_prefill=share_prefill)
+            return [s for idx in chunks for s in sample_actions(
+                model, tokenizer, [rendered[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature, share_prefill=share_prefill)]
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
                        tools=tools, **agent_options(cfg), timings=timings)
@@ -2149,7 +2170,8 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
         return probe_server(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
                                     phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
     frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
-        if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
+        if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens,
+                                               max_batch_tokens=cfg.rollout_tokens)
     frozen.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
     judge = None if cfg.judge == "rule" else frozen
     if judge and cfg.judge_base_url:
@@ -2242,9 +2264,9 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 # The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
 # and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
-               "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "max_tokens_per_micro_batch",
-               "rollout_tokens", "tool_workers",
-               "request_timeout_s", "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
+               "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
+               "max_tokens_per_micro_batch", "rollout_tokens", "request_timeout_s", "fixed_base_url", "judge_base_url",
+               "embed_base_url", "api_key_env")
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
@@ -2445,7 +2467,8 @@ def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optio
     """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
     t0 = time.perf_counter()
     model.eval()
-    planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens,
+                          max_batch_tokens=cfg.rollout_tokens)
     result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     log(f"held-out accuracy {result['correct']}/{result['n']}: " + ", ".join(
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
@@ -2550,7 +2573,8 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=False)
-    return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens,
+                                             max_batch_tokens=cfg.rollout_tokens)
 
 def scripted_planner(names: list[str]) -> Callable[[list[str]], list[str]]:
     """--plan-tools A,B: a planner that names tool A at turn 1, B at turn 2 (and the last one after), with the

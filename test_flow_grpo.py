@@ -4384,3 +4384,19 @@ def test_no_tool_tips_leaves_limitations_and_tips_out_of_every_description():
         assert brief[name].describe() == full[name].describe().split("\n  Limitations:")[0]
     cfg = fg.parse_config(["--preset", "cpu"])
     assert not cfg.tool_tips and fg.parse_config(["--preset", "cpu", "--tool-tips"]).tool_tips
+
+
+def test_decode_chunks_bound_the_kv_cache_and_leave_a_batch_that_fits_whole(tiny):
+    """--rollout-tokens: a decode batch's KV cache (rows x (longest prompt + new tokens)) stays under the cap; where
+    all rows fit, one chunk: the sampled actions are exactly those of one call (same seed, same draws)."""
+    model, tok = tiny
+    prompts = rendered(tok, ["a", "a", "bb bb", "a much longer prompt with many words", "e"])
+    lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert fg.decode_chunks(tok, prompts, 8, 0) == [list(range(5))]
+    assert fg.decode_chunks(tok, prompts, 8, 10_000, max_rows=2) == [[0, 1], [2, 3], [4]]
+    cap = 2 * (max(lengths) + 8)
+    chunks = fg.decode_chunks(tok, prompts, 8, cap)
+    assert len(chunks) > 1 and sorted(i for c in chunks for i in c) == list(range(5))
+    assert all(len(c) * (max(lengths[i] for i in c) + 8) <= cap for c in chunks)
+    cfg = fg.Config(model="tiny", max_new_tokens=8, temperature=1.0, rollout_tokens=10_000)
+    assert fg.decode_chunks(tok, prompts, cfg.max_new_tokens, cfg.rollout_tokens) == [list(range(5))]
