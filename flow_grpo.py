@@ -2482,6 +2482,20 @@ def warm_start_weights(out_dir: Path, cfg: Config) -> Optional[dict]:
         raise SystemExit(f"error: {path} (the warm start, pi_ref of the KL term) is missing; start a new run")
     return load_file(str(path)) if used else None
 
+def optimizer_steps(optimizer) -> int:
+    """AdamW steps taken so far (its per-parameter counters): whether an update has moved the weights since."""
+    return sum(int(state["step"]) for state in optimizer.state.values() if "step" in state)
+
+def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bool, *saving) -> None:
+    """A CUDA out-of-memory error in step `step`. Unless an optimizer step of it already ran (moved), the weights are
+    still those of the last COMPLETE step: saved, if not yet. The logs hold complete steps only. One line, the flags."""
+    torch.cuda.empty_cache()  # (a no-op without CUDA) room to write the checkpoint
+    if not moved and step > 1 and (last is None or last.name != f"checkpoint-{step - 1}"):
+        last = save_checkpoint(out_dir, step - 1, *saving)
+    raise SystemExit(f"error: out of GPU memory in step {step} (kept: {last or 'no checkpoint'}, metrics.jsonl); "
+                     f"lower --max-tokens-per-micro-batch (the update) or --rollout-tokens (the rollout), keep "
+                     f"--gradient-checkpointing on, then continue with --resume")
+
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
     torch.manual_seed(cfg.seed)
@@ -2521,8 +2535,13 @@ def train(cfg: Config) -> Path:
                  dynamic_ncols=True) as bar:
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
-            metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
-                                                  tools, cfg, step, data_rows, ref_weights)
+            moved = optimizer_steps(optimizer)  # (compared after an out-of-memory error: did the weights move?)
+            try:
+                metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
+                                                      tools, cfg, step, data_rows, ref_weights)
+            except torch.cuda.OutOfMemoryError:
+                stop_out_of_memory(out_dir, step, last, optimizer_steps(optimizer) != moved, model, optimizer,
+                                   scheduler, cfg, train_data)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(held_out())
             mf.write(json.dumps(metrics) + "\n")

@@ -4400,3 +4400,33 @@ def test_decode_chunks_bound_the_kv_cache_and_leave_a_batch_that_fits_whole(tiny
     assert all(len(c) * (max(lengths[i] for i in c) + 8) <= cap for c in chunks)
     cfg = fg.Config(model="tiny", max_new_tokens=8, temperature=1.0, rollout_tokens=10_000)
     assert fg.decode_chunks(tok, prompts, cfg.max_new_tokens, cfg.rollout_tokens) == [list(range(5))]
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_out_of_memory_keeps_the_last_complete_step_and_ends_with_one_error_line(tmp_path, sample_data, monkeypatch,
+                                                                                  moved):
+    """A CUDA out-of-memory error in step 3: steps 1-2 stay in metrics.jsonl; with the weights still step 2's (no
+    optimizer step of step 3 ran) checkpoint-2 is written although save_every would not; once an optimizer step of
+    step 3 ran, the weights are part of a step ahead: they are not saved as step 2's."""
+    cfg = smoke_cfg(tmp_path / "run", sample_data, max_steps=5, save_every=10)
+    real_update = fg.update_policy
+    def update(model, optimizer, rows, cfg, step):
+        if step == 3:
+            if moved:
+                real_update(model, optimizer, rows, cfg, step)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_update(model, optimizer, rows, cfg, step)
+    monkeypatch.setattr(fg, "update_policy", update)
+    with pytest.raises(SystemExit) as e:
+        fg.train(cfg)
+    message = str(e.value.code)
+    assert message.startswith("error: out of GPU memory in step 3") and "--max-tokens-per-micro-batch" in message
+    assert "\n" not in message
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert saved == ([] if moved else ["checkpoint-2"]) and ("no checkpoint" in message) == moved
+    if moved:
+        return
+    state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 2
