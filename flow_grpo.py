@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, importlib.util, inspect
 import itertools, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
-import textwrap, threading, time, unicodedata, urllib.parse, warnings
+import textwrap, threading, time, unicodedata, urllib.parse, warnings, weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -823,9 +823,16 @@ true, false. You are the executor, the verifier. Is the memory enough to answer 
 the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
 """
 
-def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
+# --model qwen2.5-1.5b-shape[:LAYERS]: random weights in Qwen2.5-1.5B-Instruct's public shape (DESIGN.md), the tiny
+# tokenizer: its memory and time measured without the Hub (--benchmark), LAYERS fewer layers to extrapolate from on CPU.
+SHAPE_MODEL, QWEN_1_5B = "qwen2.5-1.5b-shape", dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
+
+def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes):
     """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
-    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
+    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real.
+    sizes: Qwen2Config sizes in place of the tiny ones (QWEN_1_5B); the tokenizer's ids stay below 2,048."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
     specials, core = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], Tokenizer(models.BPE())
@@ -839,9 +846,9 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     tokenizer.chat_template = (  # ChatML, as Qwen's instruct models: prompts shaped like the real one's
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = Qwen2Config(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+    tiny = dict(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
+    config = Qwen2Config(**{**tiny, **sizes}, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
         torch.manual_seed(seed)
@@ -2117,6 +2124,9 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
             "by up to 0.5 per token, so the clip fires before any update; 'recompute' is exact")
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed, dtype)
+    elif cfg.model.split(":")[0] == SHAPE_MODEL:  # (":4": the first 4 layers only)
+        layers = int(cfg.model.split(":")[1]) if ":" in cfg.model else QWEN_1_5B["num_hidden_layers"]
+        model, tokenizer = build_tiny_model(cfg.seed, dtype, **{**QWEN_1_5B, "num_hidden_layers": layers})
     else:
         kwargs: dict[str, Any] = {"dtype": dtype}
         if cfg.load_in_4bit:
@@ -2677,8 +2687,103 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
           f"{loop:.1f} tok/s vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
 
+def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
+    """The config's worst step: every trajectory at max_turns, every action max_new_tokens long, prompts as 2,000-
+    character results make them (~1,100 tokens at turn 1, +950 a turn); a group's turn-1 rows share their prompt.
+    Lengths / shrink: the CPU's measured replica (memory grows linearly in tokens: SDPA, no quadratic attention)."""
+    def ids(n: int, seed: int) -> torch.Tensor:
+        return torch.randint(3, 2000, (n // shrink,), generator=torch.Generator().manual_seed(seed))
+    return [Row(prompt_ids=ids(1100 + 950 * t, i // cfg.group_size if t == 0 else 1000 * i + t + 100),
+                action_ids=ids(cfg.max_new_tokens, -1 - i), logprobs=torch.zeros(0), advantage=i % 2 - 0.5, traj_id=i)
+            for i in range(cfg.batch_size * cfg.group_size) for t in range(cfg.max_turns)]
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """On CPU, the bytes of the tensors created inside: alive now and at most (as a GPU's allocator would count them;
+    not the CPU kernels' own scratch). A storage is counted once, until it is freed (a weak reference's callback)."""
+    def __init__(self):
+        super().__init__()
+        self.now, self.peak, self.alive = 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out, returns = func(*args, **(kwargs or {})), func._schema.returns
+        for i, t in enumerate(torch.utils._pytree.tree_leaves(out)):  # views and in-place results allocate nothing
+            if returns[min(i, len(returns) - 1)].alias_info is not None or not isinstance(t, torch.Tensor):
+                continue
+            if (key := t.untyped_storage().data_ptr()) not in self.alive:
+                size = t.untyped_storage().nbytes()
+                self.alive[key] = weakref.ref(t.untyped_storage(), functools.partial(self._freed, key, size))
+                self.now += size
+                self.peak = max(self.peak, self.now)
+        return out
+
+    def _freed(self, key: int, size: int, _ref) -> None:
+        self.now -= size
+        self.alive.pop(key, None)
+
+def peak_memory(device: str, fn: Callable[[], Any]) -> tuple[float, float]:
+    """(bytes at fn's peak beyond those allocated before, seconds): CUDA's allocator counter, or LiveBytes on CPU."""
+    t0 = time.perf_counter()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, time.perf_counter() - t0
+    with LiveBytes() as live:
+        fn()
+    return live.peak, time.perf_counter() - t0
+
+def worst_case(cfg: Config, device: str) -> None:
+    """--benchmark --model qwen2.5-1.5b-shape: the peak memory and time of the config's worst rollout (its last turn's
+    decode batch, every row at max_new_tokens) and update (its biggest micro-batch; on CUDA the whole update too). On
+    CUDA at 28 layers; on CPU at 2 and 4 layers and lengths / 16, each layer's cost extrapolated to 28 layers and full
+    lengths (said so) - plus the weights, LoRA gradients and AdamW state, which are exact."""
+    shrink, layers = (1, [None]) if device == "cuda" else (16, [2, 4])
+    cfg = dataclasses.replace(cfg, dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype,  # the GPU's precision
+                              max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch // shrink,
+                              rollout_tokens=cfg.rollout_tokens // shrink, max_new_tokens=cfg.max_new_tokens // shrink)
+    found = {}
+    for n in layers:
+        model, tokenizer = load_policy(dataclasses.replace(cfg, model=SHAPE_MODEL + (f":{n}" if n else "")), device,
+                                       trainable=True)
+        if device == "cpu":  # bf16 products with the 151,936-row LM head crawl on CPU (~1 GFLOP/s): float32, its
+            head = model.get_output_embeddings()  # weight copied before measuring (so its logits count 4 bytes, not 2)
+            head.forward = functools.partial(lambda w32, x: torch.nn.functional.linear(x.float(), w32).to(x.dtype),
+                                             head.weight.float())
+        rows = worst_case_rows(cfg, shrink)
+        prompts = [tokenizer.decode(r.prompt_ids) for r in rows[cfg.max_turns - 1::cfg.max_turns]]  # the last turns
+        chunk = [prompts[i] for i in decode_chunks(tokenizer, prompts, cfg.max_new_tokens, cfg.rollout_tokens)[0]]
+        model.eval()
+        found[n, "rollout"] = peak_memory(device, lambda: sample_actions(
+            model, tokenizer, chunk, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature))
+        model.train()
+        packs = micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        big = [rows[i] for i in max(packs, key=lambda idx: forward_tokens([rows[i] for i in idx], True))]
+        found[n, "update"] = peak_memory(device, lambda: minibatch_loss_and_backward(model, big, cfg))
+        if device == "cuda":  # and the whole step's update: pi_ref, then every micro-batch, the optimizer step
+            found[n, "whole update"] = peak_memory(device, lambda: (fill_old_and_ref(model, rows, cfg, 1), update_policy(
+                model, make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0], rows, cfg, 1)))
+        lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        fixed = sum(p.numel() * p.element_size() for p in model.parameters()) + 3 * 4 * lora  # + grads, AdamW
+        found[n, "fixed"] = fixed, 0.0
+        del model
+    gb = 2 ** -30
+    for phase in ("rollout", "update", "whole update")[:3 if device == "cuda" else 2]:
+        if device == "cuda":
+            peak, seconds = found[None, "fixed"][0] + found[None, phase][0], found[None, phase][1]
+        else:  # a layer's cost = (4 layers - 2 layers) / 2; 28 = 2 + 26 more; lengths x 16
+            per_layer = [(found[4, k][0] - found[2, k][0]) / 2 for k in (phase, "fixed")]
+            peak = found[2, "fixed"][0] + 26 * per_layer[1] + shrink * (found[2, phase][0] + 26 * per_layer[0])
+            seconds = found[4, phase][1]
+        print(f"worst case {phase}: peak {peak * gb:.1f} GB, {seconds:.1f} s ({cfg.dtype}, "
+              + ("measured, 28 layers)" if device == "cuda" else "CPU: 2 and 4 layers at lengths / 16, extrapolated "
+                 "to 28 layers and full lengths; the time is the 4-layer replica's)"))
+
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark: rollouts, each phase split into the model's forward passes (hooks, GPU waited for) and the rest."""
+    if cfg.model.split(":")[0] == SHAPE_MODEL:
+        return worst_case(cfg, device)
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file, cfg.batch_size, cfg.kinds)]
     model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
     sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []
