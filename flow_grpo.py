@@ -123,7 +123,7 @@ class Config:
     val_file: str = option("data/val/aime24.parquet", "validation parquet for --eval")
     eval_limit: int = option(0, "evaluate on the first N validation questions only (0 = all)")
     kinds: str = option("", "train and evaluate on these kinds only (the 'source' column: 'arithmetic,lookup')")
-    eval_every: int = option(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
+    eval_every: int = option(50, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
     plan_tools: str = option("", "--eval of a scripted planner: tool A at turn 1, B at 2 ('A,B'): what a plan can win")
     wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
@@ -181,7 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
-                  gradient_checkpointing=False,
+                  gradient_checkpointing=False, eval_every=0,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia (compound questions: README).
     # KL 0.3 to the warm start brakes the drift to one tool that each update pushes; 24 steps, as a 12-step cosine

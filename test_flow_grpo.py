@@ -133,8 +133,9 @@ def echo_engine():
 
 
 def fresh_tiny():
-    """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs)."""
-    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8)
+    """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs); the
+    update's plain path (shared prompt prefill), as the presets run it: gradient checkpointing has its own tests."""
+    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
     model, tok = fg.load_policy(cfg, "cpu", trainable=True)
     with torch.no_grad():  # peft initialises B = 0; make the adapter non-trivial so on/off differ
         for n, p in model.named_parameters():
