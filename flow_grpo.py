@@ -355,9 +355,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
             for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
 def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens: int, max_rows: int = 0) -> list:
-    """Indices of consecutive prompts decoded together: a batch's KV cache holds rows x (longest prompt + new tokens)
-    tokens, kept under max_tokens (0 = no cap) and max_rows rows (0 = no cap). One chunk where all fit: then sampling
-    draws exactly what one call would. Consecutive, so a group's G copies of a prompt stay in one prefill."""
+    """Indices of consecutive prompts decoded together, their KV cache, rows x (longest prompt + new tokens), under
+    max_tokens, and max_rows rows (0 = no cap). All in one chunk where they fit: the draws of one call."""
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if max_tokens else []
     chunks: list[list[int]] = []
     for i in range(len(prompts)):
@@ -2753,17 +2752,20 @@ def worst_case(cfg: Config, device: str) -> None:
                                              head.weight.float())
         rows = worst_case_rows(cfg, shrink)
         prompts = [tokenizer.decode(r.prompt_ids) for r in rows[cfg.max_turns - 1::cfg.max_turns]]  # the last turns
-        chunk = [prompts[i] for i in decode_chunks(tokenizer, prompts, cfg.max_new_tokens, cfg.rollout_tokens)[0]]
-        model.eval()
-        found[n, "rollout"] = peak_memory(device, lambda: sample_actions(
-            model, tokenizer, chunk, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature))
+        chunks = decode_chunks(tokenizer, prompts, cfg.max_new_tokens, cfg.rollout_tokens)[:None if n is None else 1]
+        model.eval()  # the last turn's planner call (on CPU its first chunk: the others are its like)
+        found[n, "rollout"] = peak_memory(device, lambda: [sample_actions(
+            model, tokenizer, [prompts[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature) for idx in chunks])
         model.train()
         packs = micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
         big = [rows[i] for i in max(packs, key=lambda idx: forward_tokens([rows[i] for i in idx], True))]
         found[n, "update"] = peak_memory(device, lambda: minibatch_loss_and_backward(model, big, cfg))
         if device == "cuda":  # and the whole step's update: pi_ref, then every micro-batch, the optimizer step
-            found[n, "whole update"] = peak_memory(device, lambda: (fill_old_and_ref(model, rows, cfg, 1), update_policy(
-                model, make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0], rows, cfg, 1)))
+            def whole_update(optimizer=make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0]) -> None:
+                fill_old_and_ref(model, rows, cfg, 1)
+                update_policy(model, optimizer, rows, cfg, 1)
+            found[n, "whole update"] = peak_memory(device, whole_update)
         lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
         fixed = sum(p.numel() * p.element_size() for p in model.parameters()) + 3 * 4 * lora  # + grads, AdamW
         found[n, "fixed"] = fixed, 0.0
