@@ -2697,18 +2697,18 @@ def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
             for i in range(cfg.batch_size * cfg.group_size) for t in range(cfg.max_turns)]
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """On CPU, the bytes of the tensors created inside: alive now and at most (as a GPU's allocator would count them;
-    not the CPU kernels' own scratch). A storage is counted once, until it is freed (a weak reference's callback)."""
+    """On CPU, the bytes of the tensors made inside: alive now and at most, as a GPU's allocator would count them (not
+    the CPU kernels' scratch). A new storage counts until it is freed (a weak reference's callback); views allocate
+    nothing (their schema's alias_info)."""
     def __init__(self):
         super().__init__()
         self.now, self.peak, self.alive = 0, 0, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out, returns = func(*args, **(kwargs or {})), func._schema.returns
-        for i, t in enumerate(torch.utils._pytree.tree_leaves(out)):  # views and in-place results allocate nothing
-            if returns[min(i, len(returns) - 1)].alias_info is not None or not isinstance(t, torch.Tensor):
-                continue
-            if (key := t.untyped_storage().data_ptr()) not in self.alive:
+        for i, t in enumerate(torch.utils._pytree.tree_leaves(out)):
+            fresh = isinstance(t, torch.Tensor) and returns[min(i, len(returns) - 1)].alias_info is None
+            if fresh and (key := t.untyped_storage().data_ptr()) not in self.alive:
                 size = t.untyped_storage().nbytes()
                 self.alive[key] = weakref.ref(t.untyped_storage(), functools.partial(self._freed, key, size))
                 self.now += size
@@ -2720,67 +2720,55 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self.alive.pop(key, None)
 
 def peak_memory(device: str, fn: Callable[[], Any]) -> tuple[float, float]:
-    """(bytes at fn's peak beyond those allocated before, seconds): CUDA's allocator counter, or LiveBytes on CPU."""
-    t0 = time.perf_counter()
+    """(bytes at fn's peak beyond those allocated before, seconds): CUDA's allocator's counter, or LiveBytes on CPU."""
+    t0, base = time.perf_counter(), torch.cuda.memory_allocated() if device == "cuda" else 0
     if device == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base, time.perf_counter() - t0
-    with LiveBytes() as live:
-        fn()
-    return live.peak, time.perf_counter() - t0
+    with contextlib.nullcontext() if device == "cuda" else LiveBytes() as live:
+        fn()  # (its last .item() or .cpu() waits for the GPU)
+    return (torch.cuda.max_memory_allocated() - base if live is None else live.peak), time.perf_counter() - t0
 
 def worst_case(cfg: Config, device: str) -> None:
-    """--benchmark --model qwen2.5-1.5b-shape: the peak memory and time of the config's worst rollout (its last turn's
-    decode batch, every row at max_new_tokens) and update (its biggest micro-batch; on CUDA the whole update too). On
-    CUDA at 28 layers; on CPU at 2 and 4 layers and lengths / 16, each layer's cost extrapolated to 28 layers and full
-    lengths (said so) - plus the weights, LoRA gradients and AdamW state, which are exact."""
-    shrink, layers = (1, [None]) if device == "cuda" else (16, [2, 4])
+    """--benchmark --model qwen2.5-1.5b-shape: peak memory and time of the worst rollout (the last turn's planner call,
+    every row at max_new_tokens) and update (pi_ref, forward/backward, optimizer step). On CUDA at 28 layers, measured;
+    on CPU at 2 and 4 layers, lengths / 16, the update on the biggest micro-batch and the rollout on the first chunk,
+    a layer's cost extrapolated to 28 and lengths x 16 (said so). Weights, LoRA gradients and AdamW state: exact."""
+    shrink, layers = (1, [28]) if device == "cuda" else (16, [2, 4])
     cfg = dataclasses.replace(cfg, dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype,  # the GPU's precision
                               max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch // shrink,
                               rollout_tokens=cfg.rollout_tokens // shrink, max_new_tokens=cfg.max_new_tokens // shrink)
     found = {}
     for n in layers:
-        model, tokenizer = load_policy(dataclasses.replace(cfg, model=SHAPE_MODEL + (f":{n}" if n else "")), device,
-                                       trainable=True)
+        model, tokenizer = load_policy(dataclasses.replace(cfg, model=f"{SHAPE_MODEL}:{n}"), device, trainable=True)
         if device == "cpu":  # bf16 products with the 151,936-row LM head crawl on CPU (~1 GFLOP/s): float32, its
             head = model.get_output_embeddings()  # weight copied before measuring (so its logits count 4 bytes, not 2)
             head.forward = functools.partial(lambda w32, x: torch.nn.functional.linear(x.float(), w32).to(x.dtype),
                                              head.weight.float())
         rows = worst_case_rows(cfg, shrink)
         prompts = [tokenizer.decode(r.prompt_ids) for r in rows[cfg.max_turns - 1::cfg.max_turns]]  # the last turns
-        chunks = decode_chunks(tokenizer, prompts, cfg.max_new_tokens, cfg.rollout_tokens)[:None if n is None else 1]
-        model.eval()  # the last turn's planner call (on CPU its first chunk: the others are its like)
+        chunks = decode_chunks(tokenizer, prompts, cfg.max_new_tokens, cfg.rollout_tokens)[:1 if shrink > 1 else None]
+        packs = micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        big = rows if shrink == 1 else [rows[i] for i in max(packs, key=lambda idx: forward_tokens(
+            [rows[i] for i in idx], True))]
+        optimizer = make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0]
+        def update() -> None:
+            fill_old_and_ref(model, big, cfg, 1)
+            update_policy(model, optimizer, big, cfg, 1)
+        model.eval()
         found[n, "rollout"] = peak_memory(device, lambda: [sample_actions(
             model, tokenizer, [prompts[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature) for idx in chunks])
-        model.train()
-        packs = micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
-        big = [rows[i] for i in max(packs, key=lambda idx: forward_tokens([rows[i] for i in idx], True))]
-        found[n, "update"] = peak_memory(device, lambda: minibatch_loss_and_backward(model, big, cfg))
-        if device == "cuda":  # and the whole step's update: pi_ref, then every micro-batch, the optimizer step
-            def whole_update(optimizer=make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0]) -> None:
-                fill_old_and_ref(model, rows, cfg, 1)
-                update_policy(model, optimizer, rows, cfg, 1)
-            found[n, "whole update"] = peak_memory(device, whole_update)
+        found[n, "update"] = peak_memory(device, update)
         lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        fixed = sum(p.numel() * p.element_size() for p in model.parameters()) + 3 * 4 * lora  # + grads, AdamW
-        found[n, "fixed"] = fixed, 0.0
-        del model
-    gb = 2 ** -30
-    for phase in ("rollout", "update", "whole update")[:3 if device == "cuda" else 2]:
-        if device == "cuda":
-            peak, seconds = found[None, "fixed"][0] + found[None, phase][0], found[None, phase][1]
-        else:  # a layer's cost = (4 layers - 2 layers) / 2; 28 = 2 + 26 more; lengths x 16
-            per_layer = [(found[4, k][0] - found[2, k][0]) / 2 for k in (phase, "fixed")]
-            peak = found[2, "fixed"][0] + 26 * per_layer[1] + shrink * (found[2, phase][0] + 26 * per_layer[0])
-            seconds = found[4, phase][1]
-        print(f"worst case {phase}: peak {peak * gb:.1f} GB, {seconds:.1f} s ({cfg.dtype}, "
-              + ("measured, 28 layers)" if device == "cuda" else "CPU: 2 and 4 layers at lengths / 16, extrapolated "
-                 "to 28 layers and full lengths; the time is the 4-layer replica's)"))
+        found[n, "fixed"] = sum(p.numel() * p.element_size() for p in model.parameters()) + 3 * 4 * lora, 0.0
+        del model, optimizer
+    def at_28(key: str) -> float:  # a layer's cost = (4 layers - 2 layers) / 2, and 28 = 2 + 26 more
+        two, four = found[layers[0], key][0], found[layers[-1], key][0]
+        return four if shrink == 1 else two + 13 * (four - two)
+    for phase in ("rollout", "update"):
+        print(f"worst case {phase}: peak {(at_28('fixed') + shrink * at_28(phase)) / 2 ** 30:.1f} GB, "
+              f"{found[layers[-1], phase][1]:.1f} s ({cfg.dtype}; " + ("measured at 28 layers)" if shrink == 1 else
+              "CPU: 2 and 4 layers at lengths / 16, extrapolated to 28 layers and full lengths; 4 layers' time)"))
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark: rollouts, each phase split into the model's forward passes (hooks, GPU waited for) and the rest."""
