@@ -4431,3 +4431,23 @@ def test_out_of_memory_keeps_the_last_complete_step_and_ends_with_one_error_line
         return
     state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 2
+
+
+def test_the_qwen_shaped_model_has_qwen2_5_1_5b_sizes_and_live_bytes_counts_what_is_alive():
+    """--model qwen2.5-1.5b-shape: Qwen2.5-1.5B-Instruct's public sizes (1.54B parameters, tied embeddings), built on
+    the meta device here (no memory). LiveBytes, the CPU's memory counter: a freed tensor stops counting, a view of
+    an existing tensor never counts, the peak stays."""
+    with torch.device("meta"):
+        model, _ = fg.build_tiny_model(dtype=torch.bfloat16, **fg.QWEN_1_5B)
+    c = model.config
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_key_value_heads, c.vocab_size) == (
+        1536, 8960, 28, 2, 151936) and c.tie_word_embeddings and c.rope_parameters["rope_theta"] == 1e6
+    assert 1.50e9 < sum(p.numel() for p in model.parameters()) < 1.56e9
+    old = torch.zeros(1000, 1000)
+    with fg.LiveBytes() as live:
+        view = old[:10].t()  # a view: no new memory
+        a = torch.ones(1000, 1000)  # 4 MB
+        del a
+        b = torch.ones(500, 1000) + 1  # 2 MB (the ones() freed at once: 4 MB at most)
+        assert live.now == 2_000_000 and live.peak == 4_000_000
+    del b, view
