@@ -520,9 +520,8 @@ def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
     """The padded tokens action_logprobs runs for these rows: each DISTINCT prompt once, then every row's action; with
     gradient checkpointing (whole_rows: no KV cache) each row runs prompt and action. Memory grows with this count."""
     P, A = max(len(r.prompt_ids) for r in rows), max(len(r.action_ids) for r in rows)
-    if whole_rows:
-        return len(rows) * (P + A)
-    return len({tuple(r.prompt_ids.tolist()) for r in rows}) * P + len(rows) * A
+    U = len(rows) if whole_rows else len({tuple(r.prompt_ids.tolist()) for r in rows})  # prompts run
+    return U * P + len(rows) * A
 
 def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> list[list[int]]:
     """Row indices of each forward/backward: at most max_rows rows and max_tokens padded tokens (0 = no token cap; a
@@ -2501,9 +2500,8 @@ def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bo
     torch.cuda.empty_cache()  # (a no-op without CUDA) room to write the checkpoint
     if not moved and step > 1 and (last is None or last.name != f"checkpoint-{step - 1}"):
         last = save_checkpoint(out_dir, step - 1, *saving)
-    raise SystemExit(f"error: out of GPU memory in step {step} (kept: {last or 'no checkpoint'}, metrics.jsonl); "
-                     f"lower --max-tokens-per-micro-batch (the update) or --rollout-tokens (the rollout), keep "
-                     f"--gradient-checkpointing on, then continue with --resume")
+    raise SystemExit(f"error: out of GPU memory in step {step} (kept: {last or 'no checkpoint'}, metrics.jsonl); lower "
+                     f"--max-tokens-per-micro-batch (update) or --rollout-tokens (rollout), then --resume")
 
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
@@ -2697,9 +2695,8 @@ def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
             for i in range(cfg.batch_size * cfg.group_size) for t in range(cfg.max_turns)]
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """On CPU, the bytes of the tensors made inside: alive now and at most, as a GPU's allocator would count them (not
-    the CPU kernels' scratch). A new storage counts until it is freed (a weak reference's callback); views allocate
-    nothing (their schema's alias_info)."""
+    """On CPU, the bytes of the tensors made inside, alive now and at most, as a GPU's allocator counts them (not CPU
+    kernels' scratch): a new storage until it is freed (a weak reference's callback); views (alias_info) are free."""
     def __init__(self):
         super().__init__()
         self.now, self.peak, self.alive = 0, 0, {}
