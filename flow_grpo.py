@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, importlib.util, inspect
 import itertools, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
-import textwrap, threading, time, unicodedata, urllib.parse, warnings
+import textwrap, threading, time, unicodedata, urllib.parse, warnings, weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -116,14 +116,15 @@ class Config:
     dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small "
                         "early LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
     load_in_4bit: bool = option(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
-    gradient_checkpointing: bool = option(False, "trade compute for memory in the update")
+    gradient_checkpointing: bool = option(True, "trade compute for memory in the update: without it one 5k-token "
+                                          "row of Qwen2.5-1.5B needs ~21 GB of activations (README)")
     phase_timeout_s: float = option(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
     # --- data ---
     train_file: str = option("data/train/combined_train.parquet", "training parquet from prepare_data.py")
     val_file: str = option("data/val/aime24.parquet", "validation parquet for --eval")
     eval_limit: int = option(0, "evaluate on the first N validation questions only (0 = all)")
     kinds: str = option("", "train and evaluate on these kinds only (the 'source' column: 'arithmetic,lookup')")
-    eval_every: int = option(0, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
+    eval_every: int = option(50, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
     plan_tools: str = option("", "--eval of a scripted planner: tool A at turn 1, B at 2 ('A,B'): what a plan can win")
     scripted_roles: bool = option(False, "rule-based stand-ins for every frozen LLM role (executor, the tools' LLM, "
                                   "answer writer): the reward measures the plan alone (section 10)")
@@ -153,6 +154,10 @@ class Config:
     ppo_epochs: int = option(1, "passes over each rollout batch")
     num_minibatches: int = option(1, "optimizer steps per pass (the batch is split by trajectory)")
     micro_batch_size: int = option(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
+    max_tokens_per_micro_batch: int = option(16384, "and padded tokens per forward/backward (verl's dynamic batch "
+                                             "size): long rows go in fewer per micro-batch; 0 = rows only")
+    rollout_tokens: int = option(65536, "KV cache of one decode batch, rows x (prompt + new tokens) at most: more "
+                                 "rows are decoded in consecutive chunks; 0 = one batch")
     clip_ratio_c: float = option(3.0, "dual clip (verl's): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
     adv_unit: str = option("trajectory", "advantages over a group's 'trajectory's (paper) or turn 'row's (AgentFlow)")
     # --- optimisation ---
@@ -179,6 +184,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
+                  gradient_checkpointing=False, eval_every=0,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia (compound questions: README).
     # KL 0.3 to the warm start brakes the drift to one tool that each update pushes; 24 steps, as a 12-step cosine
@@ -189,19 +195,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
+                gradient_checkpointing=False,
                 lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu"),
-    # The two-turn lesson (compound: Wikipedia, then Python) with SmolLM2 as the trained planner and EXACT scripted
-    # stand-ins in every frozen role, so that the reward measures the plan alone. All three kinds, two turns each.
-    "scripted-roles": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
-                           val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
-                           tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool",
-                           scripted_roles=True, verify=False, analysis=False, tool_tips=False, batch_size=6,
-                           group_size=4, max_turns=2, max_new_tokens=48, micro_batch_size=4, temperature=1.0,
-                           kl_coef=0.3, lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3,
-                           tool_timeout_s=5.0, tool_workers=24, eval_every=8, eval_limit=36,
-                           output_dir="runs/scripted-roles"),
 }
+# The two-turn lesson (compound: Wikipedia, then Python) on the same task, all three kinds: SmolLM2 is the trained
+# planner as above, and EXACT rule-based stand-ins play every frozen role, so the reward measures the plan alone.
+PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, eval_limit=36,
+                                 output_dir="runs/scripted-roles")
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
 CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "row"),
@@ -363,6 +364,21 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                    text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True))
             for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
+def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens: int, max_rows: int = 0) -> list:
+    """Indices of consecutive prompts decoded together, their KV cache, rows x (longest prompt + new tokens), under
+    max_tokens, and max_rows rows (0 = no cap). All in one chunk where they fit: the draws of one call."""
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if max_tokens else []
+    chunks: list[list[int]] = []
+    for i in range(len(prompts)):
+        grown = chunks[-1] + [i] if chunks else []
+        rows_fit = grown and (not max_rows or len(grown) <= max_rows)
+        if rows_fit and (not max_tokens or len(grown) * (max(lengths[j] for j in grown) + max_new_tokens)
+                         <= max_tokens):
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
     """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. The U DISTINCT
@@ -510,13 +526,41 @@ def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Te
     len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
     return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
 
+def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
+    """The padded tokens action_logprobs runs for these rows: each DISTINCT prompt once, then every row's action; with
+    gradient checkpointing (whole_rows: no KV cache) each row runs prompt and action. Memory grows with this count."""
+    P, A = max(len(r.prompt_ids) for r in rows), max(len(r.action_ids) for r in rows)
+    U = len(rows) if whole_rows else len({tuple(r.prompt_ids.tolist()) for r in rows})  # prompts run
+    return U * P + len(rows) * A
+
+def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row indices of each forward/backward: at most max_rows rows and max_tokens padded tokens (0 = no token cap; a
+    row over it runs alone). Consecutive rows, so where the token cap never binds these are the plain chunks of max_rows
+    rows; where it binds, rows go longest prompt first (a prompt's rows together): micro-batches pad to like lengths."""
+    whole = getattr(model, "is_gradient_checkpointing", False)
+    def pack(order) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i in order:
+            fits = out and len(out[-1]) < max_rows and (
+                not max_tokens or forward_tokens([rows[j] for j in out[-1] + [i]], whole) <= max_tokens)
+            if fits:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+    plain = pack(range(len(rows)))
+    if all(len(idx) == min(max_rows, len(rows) - k * max_rows) for k, idx in enumerate(plain)):
+        return plain
+    return pack(sorted(range(len(rows)), key=lambda i: (-len(rows[i].prompt_ids), rows[i].prompt_ids.tolist())))
+
 @torch.no_grad()
 def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
-                  policy=contextlib.nullcontext()) -> None:
-    """No-grad log-probs of every row's actions, stored in row.<attr>, under `policy` (a context: pi_ref's weights)."""
+                  policy=contextlib.nullcontext(), max_tokens: int = 0) -> None:
+    """No-grad log-probs of every row's actions, stored in row.<attr>, under `policy` (a context: pi_ref's weights),
+    in the update's own micro-batches (max_tokens: micro_batches' token cap)."""
     with policy:
-        for i in range(0, len(rows), micro_batch_size):
-            chunk = rows[i:i + micro_batch_size]
+        for idx in micro_batches(model, rows, micro_batch_size, max_tokens):
+            chunk = [rows[i] for i in idx]
             logps = action_logprobs(model, [r.prompt_ids for r in chunk], [r.action_ids for r in chunk],
                                     temperature=temperature)
             for r, logp_A in zip(chunk, logps):
@@ -527,8 +571,8 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
     Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
     all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
     total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
-    for i in range(0, len(rows), cfg.micro_batch_size):
-        chunk = rows[i:i + cfg.micro_batch_size]
+    for idx in micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
+        chunk = [rows[i] for i in idx]  # (packed rows need not be consecutive: their weights are taken by position)
         logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
                                                      [r.action_ids for r in chunk], temperature=cfg.temperature))
         dev = logp_BA.device
@@ -536,7 +580,7 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         old_BA = logp_BA.detach() if chunk[0].old_logp is None else pad_right([r.old_logp.to(dev) for r in chunk])[0]
         ref_BA = logp_BA.detach() if chunk[0].ref_logp is None else pad_right([r.ref_logp.to(dev) for r in chunk])[0]
         adv_B = torch.tensor([r.advantage for r in chunk], device=dev)
-        w_BA = all_weights_BA[i:i + len(chunk), :mask_BA.shape[1]].to(dev)
+        w_BA = all_weights_BA[idx, :mask_BA.shape[1]].to(dev)
         loss, st = grpo_loss(logp_BA, old_BA, ref_BA, adv_B, mask_BA, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                              clip_ratio_c=cfg.clip_ratio_c or None, kl_coef=cfg.kl_coef, weights=w_BA)
         if not torch.isfinite(loss):
@@ -563,7 +607,8 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int, ref_weights
     """pi_old and pi_ref (for a KL term) of every row, no forward pass the update does not need. pi_old: 'captured' =
     the sampler's; 'recompute' = the update's own code, but with ONE pass its forward IS pi_old (old_logp stays None).
     Both from the first pass's own micro-batches: in bf16 a row's log-probs move with its batch-mates (ratio != 1)."""
-    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
+    kw = dict(temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+              max_tokens=cfg.max_tokens_per_micro_batch)
     if not has_signal(rows, cfg):  # the update will skip every minibatch: nothing to prepare
         return
     if cfg.old_logprobs == "captured":
@@ -786,9 +831,16 @@ true, false. You are the executor, the verifier. Is the memory enough to answer 
 the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
 """
 
-def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
+# --model qwen2.5-1.5b-shape[:LAYERS]: random weights in Qwen2.5-1.5B-Instruct's public shape (DESIGN.md), the tiny
+# tokenizer: its memory and time measured without the Hub (--benchmark), LAYERS fewer layers to extrapolate from on CPU.
+SHAPE_MODEL, QWEN_1_5B = "qwen2.5-1.5b-shape", dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
+
+def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes):
     """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
-    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real."""
+    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real.
+    sizes: Qwen2Config sizes in place of the tiny ones (QWEN_1_5B); the tokenizer's ids stay below 2,048."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
     specials, core = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], Tokenizer(models.BPE())
@@ -802,9 +854,9 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
     tokenizer.chat_template = (  # ChatML, as Qwen's instruct models: prompts shaped like the real one's
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = Qwen2Config(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+    tiny = dict(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
+    config = Qwen2Config(**{**tiny, **sizes}, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
         torch.manual_seed(seed)
@@ -876,8 +928,10 @@ class LocalEngine(Engine):
     "". Calls queue; whoever gets the lock serves them all in one batch."""
     max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
 
-    def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32):
-        self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
+    def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32,
+                 max_batch_tokens: int = 0):  # max_batch_tokens: a decode batch's KV cache (decode_chunks)
+        self.model, self.tokenizer, self.use_adapter, self.max_batch_tokens = model, tokenizer, use_adapter, \
+            max_batch_tokens
         self.max_tokens, self.batch_size, self._queue_lock = max_tokens, batch_size, threading.Lock()
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use
@@ -920,12 +974,13 @@ class LocalEngine(Engine):
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
         outs: list[str] = []
         with contextlib.nullcontext() if self.use_adapter else adapter_disabled(self.model):
-            for i in range(0, len(prompts), self.batch_size):
-                chunk = [render_chat(self.tokenizer, p) for p in prompts[i:i + self.batch_size]]
+            rendered = [render_chat(self.tokenizer, p) for p in prompts]
+            for idx in decode_chunks(self.tokenizer, rendered, max_tokens, self.max_batch_tokens, self.batch_size):
+                chunk = [rendered[i] for i in idx]
                 # ~3 characters per token: four strings of max_tokens/2 characters and their keys still close,
                 # and a one-string call (the executor's) can hold a whole question.
                 cap = min(self.max_json_chars, max(8, max_tokens // 2))
-                mask = SchemaMask(self._ll_tokenizer, schemas[i:i + self.batch_size], cap)
+                mask = SchemaMask(self._ll_tokenizer, [schemas[i] for i in idx], cap)
                 samples = sample_actions(self.model, self.tokenizer, chunk, max_new_tokens=max_tokens, temperature=0,
                                          share_prefill=self.dedup, choose=mask)  # (it counts tokens and limit hits)
                 outs += [s.text if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
@@ -1846,9 +1901,11 @@ def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine,
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
     def planner(prompts: list[str]) -> list[Sample]:
         rendered = [render_chat(tokenizer, p) for p in prompts]
+        chunks = decode_chunks(tokenizer, rendered, cfg.max_new_tokens, cfg.rollout_tokens)
         with MODEL_LOCK:  # a late frozen-role call waits: these samples are the policy's, adapter on
-            return sample_actions(model, tokenizer, rendered, max_new_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, share_prefill=share_prefill)
+            return [s for idx in chunks for s in sample_actions(
+                model, tokenizer, [rendered[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature, share_prefill=share_prefill)]
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
                        tools=tools, **agent_options(cfg), timings=timings)
@@ -2183,6 +2240,9 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
             "by up to 0.5 per token, so the clip fires before any update; 'recompute' is exact")
     if cfg.model == "tiny":
         model, tokenizer = build_tiny_model(cfg.seed, dtype)
+    elif cfg.model.split(":")[0] == SHAPE_MODEL:  # (":4": the first 4 layers only)
+        layers = int(cfg.model.split(":")[1]) if ":" in cfg.model else QWEN_1_5B["num_hidden_layers"]
+        model, tokenizer = build_tiny_model(cfg.seed, dtype, **{**QWEN_1_5B, "num_hidden_layers": layers})
     else:
         kwargs: dict[str, Any] = {"dtype": dtype}
         if cfg.load_in_4bit:
@@ -2239,7 +2299,8 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
         return probe_server(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
                                     phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
     frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
-        if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens)
+        if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens,
+                                               max_batch_tokens=cfg.rollout_tokens)
     frozen.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
     judge = None if cfg.judge == "rule" else frozen
     if judge and cfg.judge_base_url:
@@ -2334,7 +2395,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 # and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
                "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
-               "request_timeout_s", "fixed_base_url", "judge_base_url", "embed_base_url", "api_key_env")
+               "max_tokens_per_micro_batch", "rollout_tokens", "request_timeout_s", "fixed_base_url", "judge_base_url",
+               "embed_base_url", "api_key_env")
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
@@ -2536,7 +2598,8 @@ def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optio
     """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
     t0 = time.perf_counter()
     model.eval()
-    planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens,
+                          max_batch_tokens=cfg.rollout_tokens)
     result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     log(f"held-out accuracy {result['correct']}/{result['n']}: " + ", ".join(
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
@@ -2549,6 +2612,19 @@ def warm_start_weights(out_dir: Path, cfg: Config) -> Optional[dict]:
     if used and not path.is_file():
         raise SystemExit(f"error: {path} (the warm start, pi_ref of the KL term) is missing; start a new run")
     return load_file(str(path)) if used else None
+
+def optimizer_steps(optimizer) -> int:
+    """AdamW steps taken so far (its per-parameter counters): whether an update has moved the weights since."""
+    return sum(int(state["step"]) for state in optimizer.state.values() if "step" in state)
+
+def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bool, *saving) -> None:
+    """A CUDA out-of-memory error in step `step`. Unless an optimizer step of it already ran (moved), the weights are
+    still those of the last COMPLETE step: saved, if not yet. The logs hold complete steps only. One line, the flags."""
+    torch.cuda.empty_cache()  # (a no-op without CUDA) room to write the checkpoint
+    if not moved and step > 1 and (last is None or last.name != f"checkpoint-{step - 1}"):
+        last = save_checkpoint(out_dir, step - 1, *saving)
+    raise SystemExit(f"error: out of GPU memory in step {step} (kept: {last or 'no checkpoint'}, metrics.jsonl); lower "
+                     f"--max-tokens-per-micro-batch (update) or --rollout-tokens (rollout), then --resume")
 
 def train(cfg: Config) -> Path:
     """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
@@ -2591,8 +2667,13 @@ def train(cfg: Config) -> Path:
                  dynamic_ncols=True) as bar:
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
-            metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
-                                                  tools, cfg, step, data_rows, ref_weights)
+            moved = optimizer_steps(optimizer)  # (compared after an out-of-memory error: did the weights move?)
+            try:
+                metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
+                                                      tools, cfg, step, data_rows, ref_weights)
+            except torch.cuda.OutOfMemoryError:
+                stop_out_of_memory(out_dir, step, last, optimizer_steps(optimizer) != moved, model, optimizer,
+                                   scheduler, cfg, train_data)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(held_out())
             mf.write(json.dumps(metrics) + "\n")
@@ -2626,6 +2707,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
     output moves mostly along one direction shared by both turns, so opposite targets pull against each other)."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
+                 gradient_checkpointing=False,
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
                  lora_targets=Config.lora_targets + ",lm_head")
     torch.manual_seed(seed)
@@ -2659,7 +2741,8 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=False)
-    return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens)
+    return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens,
+                                             max_batch_tokens=cfg.rollout_tokens)
 
 def scripted_planner(names: list[str]) -> Callable[[list[str]], list[str]]:
     """--plan-tools A,B: a planner that names tool A at turn 1, B at turn 2 (and the last one after), with the
@@ -2743,8 +2826,93 @@ def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
     print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
           f"{loop:.1f} tok/s vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
 
+def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
+    """The config's worst step: every trajectory at max_turns, every action max_new_tokens long, prompts as 2,000-
+    character results make them (~1,100 tokens at turn 1, +950 a turn); a group's turn-1 rows share their prompt.
+    Lengths / shrink: the CPU's measured replica (memory grows linearly in tokens: SDPA, no quadratic attention)."""
+    def ids(n: int, seed: int) -> torch.Tensor:
+        return torch.randint(3, 2000, (n // shrink,), generator=torch.Generator().manual_seed(seed))
+    return [Row(prompt_ids=ids(1100 + 950 * t, i // cfg.group_size if t == 0 else 1000 * i + t + 100),
+                action_ids=ids(cfg.max_new_tokens, -1 - i), logprobs=torch.zeros(0), advantage=i % 2 - 0.5, traj_id=i)
+            for i in range(cfg.batch_size * cfg.group_size) for t in range(cfg.max_turns)]
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """On CPU, the bytes of the tensors made inside, alive now and at most, as a GPU's allocator counts them (not CPU
+    kernels' scratch): a new storage until it is freed (a weak reference's callback); views (alias_info) are free."""
+    def __init__(self):
+        super().__init__()
+        self.now, self.peak, self.alive = 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out, returns = func(*args, **(kwargs or {})), func._schema.returns
+        for i, t in enumerate(torch.utils._pytree.tree_leaves(out)):
+            fresh = isinstance(t, torch.Tensor) and returns[min(i, len(returns) - 1)].alias_info is None
+            if fresh and (key := t.untyped_storage().data_ptr()) not in self.alive:
+                size = t.untyped_storage().nbytes()
+                self.alive[key] = weakref.ref(t.untyped_storage(), functools.partial(self._freed, key, size))
+                self.now += size
+                self.peak = max(self.peak, self.now)
+        return out
+
+    def _freed(self, key: int, size: int, _ref) -> None:
+        self.now -= size
+        self.alive.pop(key, None)
+
+def peak_memory(device: str, fn: Callable[[], Any]) -> tuple[float, float]:
+    """(bytes at fn's peak beyond those allocated before, seconds): CUDA's allocator's counter, or LiveBytes on CPU."""
+    t0, base = time.perf_counter(), torch.cuda.memory_allocated() if device == "cuda" else 0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with contextlib.nullcontext() if device == "cuda" else LiveBytes() as live:
+        fn()  # (its last .item() or .cpu() waits for the GPU)
+    return (torch.cuda.max_memory_allocated() - base if live is None else live.peak), time.perf_counter() - t0
+
+def worst_case(cfg: Config, device: str) -> None:
+    """--benchmark --model qwen2.5-1.5b-shape: peak memory and time of the worst rollout (the last turn's planner call,
+    every row at max_new_tokens) and update (pi_ref, forward/backward, optimizer step). On CUDA at 28 layers, measured;
+    on CPU at 2 and 4 layers, lengths / 16, the update on the biggest micro-batch and the rollout on the first chunk,
+    a layer's cost extrapolated to 28 and lengths x 16 (said so). Weights, LoRA gradients and AdamW state: exact."""
+    shrink, layers = (1, [28]) if device == "cuda" else (16, [2, 4])
+    cfg = dataclasses.replace(cfg, dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype,  # the GPU's precision
+                              max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch // shrink,
+                              rollout_tokens=cfg.rollout_tokens // shrink, max_new_tokens=cfg.max_new_tokens // shrink)
+    found = {}
+    for n in layers:
+        model, tokenizer = load_policy(dataclasses.replace(cfg, model=f"{SHAPE_MODEL}:{n}"), device, trainable=True)
+        if device == "cpu":  # bf16 products with the 151,936-row LM head crawl on CPU (~1 GFLOP/s): float32, its
+            head = model.get_output_embeddings()  # weight copied before measuring (so its logits count 4 bytes, not 2)
+            head.forward = functools.partial(lambda w32, x: torch.nn.functional.linear(x.float(), w32).to(x.dtype),
+                                             head.weight.float())
+        rows = worst_case_rows(cfg, shrink)
+        prompts = [tokenizer.decode(r.prompt_ids) for r in rows[cfg.max_turns - 1::cfg.max_turns]]  # the last turns
+        chunks = decode_chunks(tokenizer, prompts, cfg.max_new_tokens, cfg.rollout_tokens)[:1 if shrink > 1 else None]
+        packs = micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+        big = rows if shrink == 1 else [rows[i] for i in max(packs, key=lambda idx: forward_tokens(
+            [rows[i] for i in idx], True))]
+        optimizer = make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0]
+        def update() -> None:
+            fill_old_and_ref(model, big, cfg, 1)
+            update_policy(model, optimizer, big, cfg, 1)
+        model.eval()
+        found[n, "rollout"] = peak_memory(device, lambda: [sample_actions(
+            model, tokenizer, [prompts[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature) for idx in chunks])
+        found[n, "update"] = peak_memory(device, update)
+        lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        found[n, "fixed"] = sum(p.numel() * p.element_size() for p in model.parameters()) + 3 * 4 * lora, 0.0
+        del model, optimizer
+    def at_28(key: str) -> float:  # a layer's cost = (4 layers - 2 layers) / 2, and 28 = 2 + 26 more
+        two, four = found[layers[0], key][0], found[layers[-1], key][0]
+        return four if shrink == 1 else two + 13 * (four - two)
+    for phase in ("rollout", "update"):
+        print(f"worst case {phase}: peak {(at_28('fixed') + shrink * at_28(phase)) / 2 ** 30:.1f} GB, "
+              f"{found[layers[-1], phase][1]:.1f} s ({cfg.dtype}; " + ("measured at 28 layers)" if shrink == 1 else
+              "CPU: 2 and 4 layers at lengths / 16, extrapolated to 28 layers and full lengths; 4 layers' time)"))
+
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark: rollouts, each phase split into the model's forward passes (hooks, GPU waited for) and the rest."""
+    if cfg.model.split(":")[0] == SHAPE_MODEL:
+        return worst_case(cfg, device)
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file, cfg.batch_size, cfg.kinds)]
     model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
     sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []

@@ -30,7 +30,7 @@ Outputs::
 Usage::
 
     python prepare_data.py                      # full data from the HF Hub
-    python prepare_data.py --max-samples 2000   # 2000 rows per training source
+    python prepare_data.py --max-samples 2000   # 2000 rows per source (still downloads all ~2 GB of DeepMath)
     python prepare_data.py --sample             # tiny built-in set, no network
     python prepare_data.py --tools-task         # OUT/tools_task/: the cpu preset's offline task and corpus
 
@@ -368,6 +368,9 @@ def hub_rows(ds, columns: list[str], to_row, max_samples, seed, desc) -> list[di
     """Rows from a datasets.Dataset, optionally a random subset of it."""
     # DeepMath also stores three long R1 solutions per problem; selecting the
     # two columns we use avoids decoding ~1 GB of text we would throw away.
+    # It does not avoid downloading it: load_dataset fetches the whole
+    # dataset (~2 GB of parquet for DeepMath) before any subset is taken, so
+    # --max-samples shortens the conversion, not the download.
     ds = ds.select_columns(columns)
     indices = subset_indices(len(ds), max_samples, seed)
     if len(indices) < len(ds):

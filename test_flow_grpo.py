@@ -137,8 +137,9 @@ def echo_engine():
 
 
 def fresh_tiny():
-    """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs)."""
-    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8)
+    """A tiny random Qwen2 wrapped in a fresh LoRA adapter (B != 0, so the adapter really changes outputs); the
+    update's plain path (shared prompt prefill), as the presets run it: gradient checkpointing has its own tests."""
+    cfg = fg.Config(model="tiny", device="cpu", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
     model, tok = fg.load_policy(cfg, "cpu", trainable=True)
     with torch.no_grad():  # peft initialises B = 0; make the adapter non-trivial so on/off differ
         for n, p in model.named_parameters():
@@ -821,6 +822,39 @@ def test_gradient_checkpointing_saves_memory_not_gradient():
         fg.action_logprobs(model, [torch.tensor(prompt)], [torch.tensor(action)], temperature=1.0)[0].sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("agg", fg.AGGREGATIONS)
+def test_token_budget_micro_batches_give_the_gradient_of_one_big_batch(tiny, agg):
+    """--max-tokens-per-micro-batch packs rows by padded tokens, longest prompt first (not consecutive): each
+    micro-batch's weights are taken by row position, so the accumulated gradient is still the whole minibatch's."""
+    model, tok = tiny
+    torch.manual_seed(2)
+    texts = ["a", "a", "a much longer prompt with many words in it", "bb", "ccc ccc ccc", "a"]
+    samples = fg.sample_actions(model, tok, rendered(tok, texts), max_new_tokens=10, temperature=1.0)
+    rows = make_rows(samples, [1.0, -1.0, 0.3, -0.3, 2.0, -2.0])
+    for r, t in zip(rows, [0, 0, 1, 1, 1, 2]):
+        r.traj_id = t
+    fg.fill_logprobs(model, rows, temperature=1.0, micro_batch_size=6, attr="ref_logp", policy=fg.adapter_disabled(model))
+    grads, budgets = {}, (0, 60, 1)  # no cap; a cap that packs a few rows; every row alone
+    for budget in budgets:
+        packs = fg.micro_batches(model, rows, 6, budget)
+        assert sorted(i for idx in packs for i in idx) == list(range(6))
+        if budget == 60:  # binding: packed by length, so some micro-batch is not a run of consecutive rows
+            assert 1 < len(packs) < 6 and any(idx != list(range(idx[0], idx[0] + len(idx))) for idx in packs), packs
+            assert all(fg.forward_tokens([rows[i] for i in idx], False) <= 60 for idx in packs if len(idx) > 1)
+        cfg = fg.Config(model="tiny", temperature=1.0, micro_batch_size=6, max_tokens_per_micro_batch=budget, agg=agg,
+                        kl_coef=0.1)
+        model.zero_grad()
+        loss, _ = fg.minibatch_loss_and_backward(model, rows, cfg)
+        grads[budget] = (loss, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
+    model.zero_grad()
+    assert fg.micro_batches(model, rows, 4, 10_000) == [[0, 1, 2, 3], [4, 5]]  # not binding: the plain chunks
+    full_loss, full = grads[0]
+    assert full.abs().sum() > 0
+    for budget in budgets[1:]:
+        assert grads[budget][0] == pytest.approx(full_loss, rel=1e-4, abs=1e-6)
+        assert torch.allclose(grads[budget][1], full, rtol=1e-4, atol=1e-7), budget
 
 
 def test_one_pass_shortcut_equals_an_explicit_pi_old_pass(tiny):
@@ -4597,3 +4631,69 @@ def test_no_tool_tips_leaves_limitations_and_tips_out_of_every_description():
         assert brief[name].describe() == full[name].describe().split("\n  Limitations:")[0]
     cfg = fg.parse_config(["--preset", "cpu"])
     assert not cfg.tool_tips and fg.parse_config(["--preset", "cpu", "--tool-tips"]).tool_tips
+
+
+def test_decode_chunks_bound_the_kv_cache_and_leave_a_batch_that_fits_whole(tiny):
+    """--rollout-tokens: a decode batch's KV cache (rows x (longest prompt + new tokens)) stays under the cap; where
+    all rows fit, one chunk: the sampled actions are exactly those of one call (same seed, same draws)."""
+    model, tok = tiny
+    prompts = rendered(tok, ["a", "a", "bb bb", "a much longer prompt with many words", "e"])
+    lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert fg.decode_chunks(tok, prompts, 8, 0) == [list(range(5))]
+    assert fg.decode_chunks(tok, prompts, 8, 10_000, max_rows=2) == [[0, 1], [2, 3], [4]]
+    cap = 2 * (max(lengths) + 8)
+    chunks = fg.decode_chunks(tok, prompts, 8, cap)
+    assert len(chunks) > 1 and sorted(i for c in chunks for i in c) == list(range(5))
+    assert all(len(c) * (max(lengths[i] for i in c) + 8) <= cap for c in chunks)
+    cfg = fg.Config(model="tiny", max_new_tokens=8, temperature=1.0, rollout_tokens=10_000)
+    assert fg.decode_chunks(tok, prompts, cfg.max_new_tokens, cfg.rollout_tokens) == [list(range(5))]
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_out_of_memory_keeps_the_last_complete_step_and_ends_with_one_error_line(tmp_path, sample_data, monkeypatch,
+                                                                                  moved):
+    """A CUDA out-of-memory error in step 3: steps 1-2 stay in metrics.jsonl; with the weights still step 2's (no
+    optimizer step of step 3 ran) checkpoint-2 is written although save_every would not; once an optimizer step of
+    step 3 ran, the weights are part of a step ahead: they are not saved as step 2's."""
+    cfg = smoke_cfg(tmp_path / "run", sample_data, max_steps=5, save_every=10)
+    real_update = fg.update_policy
+    def update(model, optimizer, rows, cfg, step):
+        if step == 3:
+            if moved:
+                real_update(model, optimizer, rows, cfg, step)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_update(model, optimizer, rows, cfg, step)
+    monkeypatch.setattr(fg, "update_policy", update)
+    with pytest.raises(SystemExit) as e:
+        fg.train(cfg)
+    message = str(e.value.code)
+    assert message.startswith("error: out of GPU memory in step 3") and "--max-tokens-per-micro-batch" in message
+    assert "\n" not in message
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert saved == ([] if moved else ["checkpoint-2"]) and ("no checkpoint" in message) == moved
+    if moved:
+        return
+    state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 2
+
+
+def test_the_qwen_shaped_model_has_qwen2_5_1_5b_sizes_and_live_bytes_counts_what_is_alive():
+    """--model qwen2.5-1.5b-shape: Qwen2.5-1.5B-Instruct's public sizes (1.54B parameters, tied embeddings), built on
+    the meta device here (no memory). LiveBytes, the CPU's memory counter: a freed tensor stops counting, a view of
+    an existing tensor never counts, the peak stays."""
+    with torch.device("meta"):
+        model, _ = fg.build_tiny_model(dtype=torch.bfloat16, **fg.QWEN_1_5B)
+    c = model.config
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_key_value_heads, c.vocab_size) == (
+        1536, 8960, 28, 2, 151936) and c.tie_word_embeddings and c.rope_parameters["rope_theta"] == 1e6
+    assert 1.50e9 < sum(p.numel() for p in model.parameters()) < 1.56e9
+    old = torch.zeros(1000, 1000)
+    with fg.LiveBytes() as live:
+        view = old[:10].t()  # a view: no new memory
+        a = torch.ones(1000, 1000)  # 4 MB
+        del a
+        b = torch.ones(500, 1000) + 1  # 2 MB (the ones() freed at once: 4 MB at most)
+        assert live.now == 2_000_000 and live.peak == 4_000_000
+    del b, view
