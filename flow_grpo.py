@@ -1255,6 +1255,15 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
     return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": rc,
             "error": _describe_failure(rc, timed_out, timeout_s, overflow, stderr)}
 
+def _why_python_fails(errors: list[str]) -> str:
+    """Why no probe ran. Root runs code as uid 65534: a folder or file on the interpreter's path (or its target's)
+    that "others" may not enter (/root/.pyenv, a venv in /root) is the usual cause; else the last probe's error."""
+    here = Path(sys.executable)
+    for path in (*reversed(here.parents), here, *reversed(here.resolve().parents), here.resolve()):
+        if os.geteuid() == 0 and path.stat().st_uid != 65534 and not path.stat().st_mode & 0o001:
+            return f"the interpreter is not readable by uid 65534: {path} (mode {path.stat().st_mode & 0o777:o})"
+    return errors[-1] if errors else "no sandbox could start"
+
 def sandbox_missing_layers() -> list[str]:
     """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
     with a snippet that checks them: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
@@ -1279,21 +1288,12 @@ def sandbox_missing_layers() -> list[str]:
                 log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]
 
-def _why_python_fails(errors: list[str]) -> str:
-    """Why no probe ran. Root runs code as uid 65534: a folder or file on the interpreter's path (or its target's)
-    that "others" may not enter (/root/.pyenv, a venv in /root) is the usual cause; else the last probe's error."""
-    here = Path(sys.executable)
-    for path in (*reversed(here.parents), here, *reversed(here.resolve().parents), here.resolve()):
-        if os.geteuid() == 0 and path.stat().st_uid != 65534 and not path.stat().st_mode & 0o001:
-            return f"the interpreter is not readable by uid 65534: {path} (mode {path.stat().st_mode & 0o777:o})"
-    return errors[-1] if errors else "no sandbox could start"
-
 def python_tool_check() -> None:
     """The Python tool's start-up self-test: the probe's one-line snippet must have run, else one error line."""
     sandbox_missing_layers()
     if _SANDBOX_DEAD:
         raise SystemExit(f"error: the Python tool cannot run code here: {_SANDBOX_DEAD[:300]} (or leave "
-                         f"{PythonCoderTool.name} out of --tools)")
+                         "Python_Coder_Tool out of --tools)")
 
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
@@ -1393,7 +1393,7 @@ def scripted_program(task: str, findings: str) -> Optional[str]:
 
 
 def scripted_reader(query: str, text: str) -> str:
-    """The Wikipedia tool's reader: the page's one sentence that best matches the query (BM25), quoted, not rewritten."""
+    """The Wikipedia tool's reader: the page's sentence that best matches the query (BM25), quoted, not rewritten."""
     sentences = re.split(r"(?<=[.!?])\s+", text.strip())
     return sentences[bm25_top_k(query, sentences, 1)[0]]
 
@@ -2438,7 +2438,8 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
         c.update(f"tool:{t.plan.tool_name}" for t in asked)
         analysed = int(bool(st.analysis))  # "" when --no-analysis: no analyst was asked
-        structured = analysed + len(asked) + sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
+        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
+        structured = analysed + len(asked) + verdicts
         failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
         c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
                  calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],
@@ -2697,34 +2698,32 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
     rising curve shows the update's sign and scale are right. lr 2e-2: higher, a solved seed (all advantages 0) can
     drift back on Adam's scaled-up KL gradient.
     turns=1: reward = the share of digits in the action (d1).
-    turns=2: Flow-GRPO's credit assignment. Turn 1 writes; its result (" number" if d1 >= 0.5, else " text") ends
-    turn 2's prompt, and turn 2 must carry on in that kind: part2 = its digits' share after a number, else its
-    non-digits' share. reward = d1 * part2: ONE number per trajectory, broadcast as the same advantage to the rows of
-    both turns; per step (reward, d1, part2). Part2 starts high (text after text), dips as turn 1 learns digits, and
-    only the final reward can teach turn 2 to follow a number with digits. Raw prompts, short and turn-specific at
-    the end: the random 64-wide model's output depends mostly on the last tokens (a chat template ends both turns
-    alike). Tried and stalled at reward ~0.25 in some seeds: turn 2 the OTHER kind than turn 1 (the tiny model's
-    output moves mostly along one direction shared by both turns, so opposite targets pull against each other)."""
+    turns=2: Flow-GRPO's credit assignment, as 'look up a number, then say it in words'. Turn 1 as above; turn 2's
+    prompt holds turn 1's action, and its one token must NOT be a digit: part2 = 1 - its digits' share. reward =
+    d1 * part2, ONE number per trajectory, broadcast as the same advantage to the rows of both turns; per step
+    (reward, d1, part2). What turn 1 learns (digits) drifts into turn 2 too, as a small model's output moves along
+    one direction for every prompt: only turn 2's own rows, with the final reward's advantage, pull it back (trained
+    on turn 1's rows alone, part2 falls to ~0.1: test_learning_toy_two_turns_turn2_learns_from_its_own_rows).
+    agg 'token-mean': under 'turn' the one token of turn 2 weighs as much as turn 1's eight and slows turn 1."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
-                 gradient_checkpointing=False,
+                 gradient_checkpointing=False, agg="turn" if turns == 1 else "token-mean",
                  # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
                  lora_targets=Config.lora_targets + ",lm_head")
     torch.manual_seed(seed)
     model, tokenizer = load_policy(cfg, "cpu", trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
-    prompts = [render_chat(tokenizer, f"Reply with digits only. Task {i}.") if turns == 1 else f"Task {i}. Step 1:"
-               for i in range(batch) for _ in range(group)]
+    prompts = [render_chat(tokenizer, f"Reply with digits only. Task {i}.") for i in range(batch) for _ in range(group)]
     digits = lambda text: sum(c.isdigit() for c in text) / max(1, len(text))  # the digits' share
-    sample = lambda ps: sample_actions(model, tokenizer, ps, max_new_tokens=max_new_tokens, temperature=cfg.temperature)
     curve = []
     for step in range(1, steps + 1):
         model.eval()
-        acts = [sample(prompts)]  # acts[turn][trajectory]
-        rewards = d1 = [digits(s.text) for s in acts[0]]
-        if turns == 2:  # turn 2's prompt: turn 1's action and its result
-            acts.append(sample([f"{s.text} gave{' number' if d >= 0.5 else ' text'}" for s, d in zip(acts[0], d1)]))
-            part2 = [digits(s.text) if d >= 0.5 else 1 - digits(s.text) for s, d in zip(acts[1], d1)]
+        acts = [sample_actions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature)]
+        rewards = d1 = [digits(s.text) for s in acts[0]]  # acts[turn][trajectory]
+        if turns == 2:  # turn 2's prompt holds turn 1's action; raw text, so that it ENDS differently from turn 1's
+            follow = [f"Task {i // group}. Step 1 found {s.text}. Step 2, in words:" for i, s in enumerate(acts[0])]
+            acts.append(sample_actions(model, tokenizer, follow, max_new_tokens=1, temperature=cfg.temperature))
+            part2 = [1 - digits(s.text) for s in acts[1]]
             rewards = [a * b for a, b in zip(d1, part2)]
         adv_B = group_advantages(rewards, [i // group for i in range(len(rewards))])
         rows = [Row(**vars(s), advantage=float(a), traj_id=i)  # a row per turn, its trajectory's advantage
@@ -2779,9 +2778,9 @@ def ask(cfg: Config, device: str) -> None:
     st = solve_batch([cfg.ask], planner=planner.generate, frozen=frozen, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
 
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> list[str]:
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> None:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
-    trajectory at a time, same questions, engines and seed; returns the lockstep run's turn-1 planner prompts."""
+    trajectory at a time, same questions, engines and seed."""
     generated, seconds = [], {}  # generated: every prompt really generated (LocalEngine: after its batching)
     name = "_generate" if hasattr(frozen, "_generate") else "_complete"
     setattr(frozen, name, lambda prompts, *a, f=getattr(frozen, name): generated.extend(prompts) or f(prompts, *a))
@@ -2800,7 +2799,6 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
             with timed(t, "update"):
                 fill_old_and_ref(model, rows, cfg, step=1)
                 update_policy(model, make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0], rows, cfg, step=1)
-            prompts = [tokenizer.decode(st.turns[0].planner_output.prompt_ids) for st in states]  # G copies each
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
         fwd = {k: t.get(f"forward_s_{k}", 0.0) for k in ("planner", "fixed", "tools", "update") if k in t}
         where = ", ".join(f"{k} {t[k]:.2f}s = forward {f:.2f}s + rest {t[k] - f:.2f}s" for k, f in fwd.items())
@@ -2808,23 +2806,6 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
               f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
     print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
           f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
-    return prompts
-
-def _sampling_speed(model, tokenizer, prompts: list[str], cfg: Config) -> None:
-    """Useful tokens/s (up to the first stop) of sample_actions vs generate() under the same law (softmax(logits / T)),
-    on the prompts as the trainer samples them (G copies: prefilled once)."""
-    stops, T, n = stop_token_ids(model, tokenizer), cfg.temperature, cfg.max_new_tokens
-    t0 = time.perf_counter()
-    tokens = sum(len(s.action_ids) for s in sample_actions(model, tokenizer, prompts, max_new_tokens=n, temperature=T))
-    t1 = time.perf_counter()
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    new = model.generate(**enc.to(model.device), do_sample=True, temperature=T, top_k=0, top_p=1.0, max_new_tokens=n,
-                         repetition_penalty=1.0, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
-    gen_tokens = sum(next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))  # up to the first stop
-                     for row in new[:, enc["input_ids"].shape[1]:].tolist())
-    loop, gen = tokens / (t1 - t0), gen_tokens / (time.perf_counter() - t1)
-    print(f"planner sampling, {len(prompts)} prompts as the trainer samples them ({len(set(prompts))} distinct): loop "
-          f"{loop:.1f} tok/s vs generate() {gen:.1f} tok/s ({loop / gen:.2f}x)")
 
 def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
     """The config's worst step: every trajectory at max_turns, every action max_new_tokens long, prompts as 2,000-
@@ -2922,7 +2903,7 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     # hook that returned something would replace the model's output)
     rollout(model, tokenizer, questions[:1], cfg, frozen, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, model {cfg.model} on {device}")
-    _sampling_speed(model, tokenizer, _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools), cfg)
+    _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools)
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
     """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
@@ -2952,7 +2933,7 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
         print(f"{t + 1:4d}  " + "  ".join(f"{c[t]:5.2f}" for c in curves) + f"  {mean:5.2f}  " + "#" * round(40 * mean)
               + " " * (40 - round(40 * mean)) + " |" + "".join(f"{c[t][0]:6.2f}" for c in two)
               + "".join(f"{sum(c[t][k] for c in two) / len(two):6.2f}" for k in (0, 1, 2)))
-    print("right of |: the two-turn toy, reward = d1 x part2 per seed and mean; turn1 = mean d1, turn2 = mean part2")
+    print("right of |: two turns, reward = d1 x part2 per seed and mean; turn1 = mean d1, turn2 = mean part2 (a word)")
     save_png(Path(cfg.output_dir) / "learning_curve.png", list(range(1, steps + 1)),
              {**{f"seed {s}": c for s, c in zip(seeds, curves)},
               **{f"two turns, seed {s}": [r for r, *_ in c] for s, c in zip(seeds, two)}},

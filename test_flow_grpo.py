@@ -3440,13 +3440,18 @@ def test_learning_toy_task_reward_rises():
     assert first < 0.1 and last > first + 0.3, curve  # a wrong sign or scale would stay flat or fall
 
 
-def test_learning_toy_two_turns_turn2_learns_from_the_final_reward():
-    """The two-turn toy: one reward per trajectory, broadcast to both turns' rows, teaches turn 2 to follow turn 1's
-    number with digits (its part dips while turn 1 learns digits, then must come back from the final reward)."""
+def test_learning_toy_two_turns_turn2_learns_from_its_own_rows(monkeypatch):
+    """The two-turn toy: one reward per trajectory, broadcast to both turns' rows, teaches turn 2 (a word after
+    turn 1's digits) while turn 1 learns digits. Trained on turn 1's rows alone, turn 2 drifts into digits with turn
+    1 and the reward stalls: turn 2's rows, with its trajectory's advantage, are what teach it."""
     curve = fg.toy_learning_curve(seed=0, steps=30, turns=2)  # as printed (the lr decays over `steps`)
-    reward, part2 = [r for r, _, _ in curve], [p for _, _, p in curve]
-    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.5, curve  # a flipped advantage sign never gets here
-    assert min(part2[-3:]) > min(part2) + 0.2 and part2[-1] > 0.9, curve  # turn 2 recovers from its dip
+    assert curve[0][0] < 0.1 and min(r for r, _, _ in curve[-3:]) > 0.8, curve  # a flipped sign never gets here
+    assert min(p for _, _, p in curve[-3:]) > 0.9, curve
+    update, fill = fg.update_policy, fg.fill_old_and_ref  # the rows: turn 1's first, then turn 2's
+    monkeypatch.setattr(fg, "update_policy", lambda m, o, rows, *a: update(m, o, rows[:len(rows) // 2], *a))
+    monkeypatch.setattr(fg, "fill_old_and_ref", lambda m, rows, *a: fill(m, rows[:len(rows) // 2], *a))
+    turn1_only = fg.toy_learning_curve(seed=0, steps=30, turns=2)
+    assert max(d for _, d, _ in turn1_only[-3:]) > 0.8 and max(p for _, _, p in turn1_only[-3:]) < 0.5, turn1_only
 
 
 def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, sample_data, monkeypatch):
@@ -3870,7 +3875,7 @@ def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_o
     (n_lock, distinct), (n_unshared, _) = generated["lockstep"], generated["unshared"]
     assert set(generated) == {"lockstep", "unshared", "sequential"} and n_lock == distinct and n_unshared == 8 * distinct
     speedup = float(re.search(r"rollout speedup: ([\d.]+)x \(lockstep vs sequential\)", out.stdout)[1])
-    assert speedup > 2 and "planner sampling, 8 prompts" in out.stdout
+    assert speedup > 2
     lockstep = re.search(r"^  lockstep .*", out.stdout, re.M)[0]  # each phase: its seconds = forward + the rest
     split = {m[1]: (float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
         r"(\w+) ([\d.]+)s = forward ([\d.]+)s \+ rest (-?[\d.]+)s", lockstep)}
