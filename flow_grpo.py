@@ -201,7 +201,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The two-turn lesson (compound: Wikipedia, then Python) on the same task, all three kinds: SmolLM2 is the trained
 # planner as above, and EXACT rule-based stand-ins play every frozen role, so the reward measures the plan alone.
-PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, eval_limit=36,
+# Sized for 2 CPU cores: a step's cost is its rows' prompt tokens (each turn-2 prompt is its own), so one question
+# of each kind a step (B=3) and fewer, larger steps (lr 5e-5, KL 0.1).
+PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3, lr=5e-5,
+                                 kl_coef=0.1, sft_steps=24, max_steps=12, eval_every=6, save_every=6, eval_limit=24,
                                  output_dir="runs/scripted-roles")
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
