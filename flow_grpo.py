@@ -1092,8 +1092,9 @@ SANDBOX_MAX_PROCESSES = 256  # processes + threads: the cgroup's pids.max, else 
 SANDBOX_MAX_FILES = 256
 SANDBOX_TMPFS_MB = 64  # the private tmpfs, the only writable place (cwd = HOME = /tmp); it counts as memory
 _SANDBOX_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", sys.base_prefix, sys.prefix)
-_SANDBOX: Optional[tuple[bool, bool, bool]] = None  # probed once: namespaces? cgroups? (seccomp?)
-_SANDBOX_DEAD: Optional[str] = None  # why no probe ran: then no Python tool call can
+# Probed once: namespaces? cgroups? seccomp? and, where not even the last probe ran, why no Python call can (one value:
+# a test that restores it restores all of it).
+_SANDBOX: Optional[tuple[bool, bool, bool, Optional[str]]] = None
 _SANDBOX_LOCK = threading.Lock()  # tool calls run in threads: none may run while the probe runs
 # As root of the new mount namespace: make a tmpfs root of the dirs up to "--" (r/o), start the rest in the cgroups
 # ($1), stay as its guard: at SIGTERM (the deadline, or our death: its parent-death signal) kill every task there,
@@ -1270,12 +1271,12 @@ def _why_python_fails(errors: list[str]) -> str:
 def sandbox_missing_layers() -> list[str]:
     """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
     with a snippet that checks them: all layers, then no cgroup, then neither (root still drops to uid 65534)."""
-    global _SANDBOX, _SANDBOX_DEAD
+    global _SANDBOX
     with _SANDBOX_LOCK:
         if _SANDBOX is None:
             check = ("import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read(), "
                      "'Seccomp:\\t2' in open('/proc/self/status').read())")
-            errors, seccomp = [], True  # the first error is logged: a refusal, or a set-up we did not foresee
+            errors, seccomp, dead = [], True, None  # the first error is logged: a refusal, or an unforeseen set-up
             for jail, cgroups in ((True, os.geteuid() == 0), (True, False), (False, False)):
                 with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
                     probe = _run_sandboxed(check, 10.0, 256, 200, jail, cgroups)
@@ -1284,8 +1285,8 @@ def sandbox_missing_layers() -> list[str]:
                         break
                     errors += [probe["error"]] if probe["error"] else []
             else:  # not even the last probe ran: every call would fail the same way
-                _SANDBOX_DEAD = _why_python_fails(errors)
-            _SANDBOX = (jail, cgroups, seccomp)  # (where no probe ran, no call will: no filter is missed)
+                dead = _why_python_fails(errors)
+            _SANDBOX = (jail, cgroups, seccomp, dead)  # (where no probe ran, no call will: no filter is missed)
             if missing := [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]:
                 why = f" ({errors[0][:200]})" if errors else ""
                 log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
@@ -1294,8 +1295,8 @@ def sandbox_missing_layers() -> list[str]:
 def python_tool_check() -> None:
     """The Python tool's start-up self-test: the probe's one-line snippet must have run, else one error line."""
     sandbox_missing_layers()
-    if _SANDBOX_DEAD:
-        raise SystemExit(f"error: the Python tool cannot run code here: {_SANDBOX_DEAD[:300]} (or leave "
+    if dead := _SANDBOX[3]:
+        raise SystemExit(f"error: the Python tool cannot run code here: {dead[:300]} (or leave "
                          "Python_Coder_Tool out of --tools)")
 
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:

@@ -2293,7 +2293,6 @@ def test_a_python_tool_that_cannot_run_stops_the_run_with_one_error_line(monkeyp
     monkeypatch.setattr(sys, "executable", str(closed / "python"))
     monkeypatch.setattr(fg, "_SANDBOX_READ_ONLY", (*fg._SANDBOX_READ_ONLY, str(closed)))  # (in the jail)
     monkeypatch.setattr(fg, "_SANDBOX", None)
-    monkeypatch.setattr(fg, "_SANDBOX_DEAD", None)
     try:
         assert fg.make_tools(["Generalist_Solution_Generator_Tool"], fg.Engine())  # no Python tool: no check
         with pytest.raises(SystemExit) as e:
