@@ -246,9 +246,9 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps", "dynamic_sampling"):
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
-    if cfg.scripted_roles and (cfg.verify or cfg.analysis or cfg.judge != "rule"):  # roles with no stand-in
-        parser.error("--scripted-roles has no stand-in for the verifier, the analyst or an LLM judge: "
-                     "add --no-verify --no-analysis (and --judge rule)")
+    if cfg.scripted_roles and (cfg.verify or cfg.analysis or cfg.judge != "rule" or "Web_RAG_Search_Tool" in cfg.tools):
+        parser.error("--scripted-roles has no stand-in for the verifier, the analyst, an LLM judge or the web tool's "
+                     "reader: add --no-verify --no-analysis (and --judge rule, --tools without Web_RAG_Search_Tool)")
     if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
         parser.error(f"--clip-ratio-c must be > 1, or 0 for off, not {cfg.clip_ratio_c!r}")
     for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
@@ -743,6 +743,9 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
         if not pending:
             break
         log(f"[wait] {what}: {len(done)}/{len(futures)} done after {time.monotonic() - t0:.0f} s of {timeout_s:.0f} s")
+    for f in futures:  # the GPU out of memory in a thread (a tool's model call) is the run's problem, not the call's
+        if f.done() and isinstance(f.exception(), torch.cuda.OutOfMemoryError):
+            raise f.exception()
     return [f.result() if f.done() and not f.exception() else None for f in futures]
 
 class OpenAIEngine(Engine):
@@ -1387,8 +1390,8 @@ def scripted_program(task: str, findings: str) -> Optional[str]:
     """The Python coder: 'a op b' written in the task; else 'plus k' / 'times k' applied to the last number that
     memory holds; else that number, passed on; None (nothing to compute) when memory holds none.
     "What is 13 * 65?" -> print(13 * 65); "..., plus 464?" after "... a population of 4521." -> print(4521 + 464)"""
-    if m := re.search(r"(-?\d+)\s*([-+*])\s*(-?\d+)", task):
-        return f"print({m[1]} {m[2]} {m[3]})"
+    if m := re.search(r"(-?\d+)\s*([-+*]|\bplus\b|\bminus\b|\btimes\b)\s*(-?\d+)", task):  # "12 minus 5" too
+        return f"print({m[1]} {WORD_OPS.get(m[2], m[2])} {m[3]})"
     if not (found := NUMBER.findall(findings)):
         return None
     if m := re.search(r"\b(plus|minus|times) (\d+)\b", task):
@@ -1829,6 +1832,8 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
     try:
         tool = tools[plan.tool_name]  # __call__ validates the arguments
         return command, tool(args, memory.findings()) if getattr(tool, "reads_memory", False) else tool(args)
+    except torch.cuda.OutOfMemoryError:  # not the tool's fault: the step stops, the run is saved (train)
+        raise
     except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
@@ -2348,11 +2353,17 @@ def run_settings(cfg: Config, train_data: str = "") -> dict:
     with other rows would change what every later step draws; --resume compares both)."""
     return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
 
-def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config, train_data: str = "") -> Path:
-    """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed."""
+def rng_state() -> dict:
+    """Every random stream a step draws from: a checkpoint keeps them, so that a resume draws as the unbroken run."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config, train_data: str = "",
+                    rng: Optional[dict] = None) -> Path:
+    """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed.
+    rng: the random state to keep (default: now's)."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    rng = rng or rng_state()
     try:
         model.save_pretrained(tmp)
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
@@ -2622,12 +2633,13 @@ def optimizer_steps(optimizer) -> int:
     """AdamW steps taken so far (its per-parameter counters): whether an update has moved the weights since."""
     return sum(int(state["step"]) for state in optimizer.state.values() if "step" in state)
 
-def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bool, *saving) -> None:
+def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bool, rng: dict, *saving) -> None:
     """A CUDA out-of-memory error in step `step`. Unless an optimizer step of it already ran (moved), the weights are
-    still those of the last COMPLETE step: saved, if not yet. The logs hold complete steps only. One line, the flags."""
+    still those of the last COMPLETE step: saved, if not yet, with the random state from before this step's draws
+    (rng), so a resume draws as the unbroken run. The logs hold complete steps only. One line, the flags."""
     torch.cuda.empty_cache()  # (a no-op without CUDA) room to write the checkpoint
     if not moved and step > 1 and (last is None or last.name != f"checkpoint-{step - 1}"):
-        last = save_checkpoint(out_dir, step - 1, *saving)
+        last = save_checkpoint(out_dir, step - 1, *saving, rng=rng)
     raise SystemExit(f"error: out of GPU memory in step {step} (kept: {last or 'no checkpoint'}, metrics.jsonl); lower "
                      f"--max-tokens-per-micro-batch (update) or --rollout-tokens (rollout), then --resume")
 
@@ -2672,12 +2684,12 @@ def train(cfg: Config) -> Path:
                  dynamic_ncols=True) as bar:
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
-            moved = optimizer_steps(optimizer)  # (compared after an out-of-memory error: did the weights move?)
+            moved, rng = optimizer_steps(optimizer), rng_state()  # (after an out-of-memory error: as before the step)
             try:
                 metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
                                                       tools, cfg, step, data_rows, ref_weights)
             except torch.cuda.OutOfMemoryError:
-                stop_out_of_memory(out_dir, step, last, optimizer_steps(optimizer) != moved, model, optimizer,
+                stop_out_of_memory(out_dir, step, last, optimizer_steps(optimizer) != moved, rng, model, optimizer,
                                    scheduler, cfg, train_data)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(held_out())
@@ -2727,7 +2739,7 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
         if turns == 2:  # turn 2's prompt holds turn 1's action; raw text, so that it ENDS differently from turn 1's
             follow = [f"Task {i // group}. Step 1 found {s.text}. Step 2, in words:" for i, s in enumerate(acts[0])]
             acts.append(sample_actions(model, tokenizer, follow, max_new_tokens=1, temperature=cfg.temperature))
-            part2 = [1 - digits(s.text) for s in acts[1]]
+            part2 = [1 - digits(s.text) if s.text.strip() else 0.0 for s in acts[1]]  # (an empty reply is no word)
             rewards = [a * b for a, b in zip(d1, part2)]
         adv_B = group_advantages(rewards, [i // group for i in range(len(rewards))])
         rows = [Row(**vars(s), advantage=float(a), traj_id=i)  # a row per turn, its trajectory's advantage

@@ -4402,6 +4402,7 @@ def test_kinds_select_questions_in_file_order_before_the_limit_and_an_unknown_ki
 def test_scripted_coder_computes_what_the_task_writes_or_memory_holds():
     assert fg.scripted_program("What is 13 * 65?", "") == "print(13 * 65)"
     assert fg.scripted_program("What is 4021 - 388?", "Vorlund has a population of 4312.") == "print(4021 - 388)"
+    assert fg.scripted_program("What is 1234 minus 567?", "a population of 4312.") == "print(1234 - 567)"
     found = "Vorlund has a population of 4312. Step two: Tavrin lies at an elevation of 61 metres."
     assert fg.scripted_program("What is the elevation of Tavrin, plus 250?", found) == "print(61 + 250)"  # the LAST
     assert fg.scripted_program("the population of Vorlund, times 7", "a population of 4312.") == "print(4312 * 7)"
@@ -4459,7 +4460,7 @@ def test_scripted_roles_reward_the_plan_alone_with_the_real_tools_sandbox_and_ju
 def test_scripted_roles_preset_refuses_roles_without_a_stand_in_and_trains_end_to_end(tmp_path, monkeypatch):
     cfg = fg.parse_config(["--preset", "scripted-roles"])
     assert cfg.scripted_roles and cfg.max_turns == 2 and not cfg.verify and not cfg.analysis and cfg.kinds == ""
-    for extra in (["--verify"], ["--analysis"], ["--judge", "llm"]):
+    for extra in (["--verify"], ["--analysis"], ["--judge", "llm"], ["--tools", "Web_RAG_Search_Tool"]):
         with pytest.raises(SystemExit):
             fg.parse_config(["--preset", "scripted-roles", *extra])
     monkeypatch.chdir(tmp_path)  # the preset's own offline files, on first use; the tiny model for speed
@@ -4653,21 +4654,31 @@ def test_decode_chunks_bound_the_kv_cache_and_leave_a_batch_that_fits_whole(tiny
     assert fg.decode_chunks(tok, prompts, cfg.max_new_tokens, cfg.rollout_tokens) == [list(range(5))]
 
 
-@pytest.mark.parametrize("moved", [False, True])
+@pytest.mark.parametrize("where", ["update", "update, after an optimizer step", "a tool's thread"])
 def test_out_of_memory_keeps_the_last_complete_step_and_ends_with_one_error_line(tmp_path, sample_data, monkeypatch,
-                                                                                  moved):
-    """A CUDA out-of-memory error in step 3: steps 1-2 stay in metrics.jsonl; with the weights still step 2's (no
-    optimizer step of step 3 ran) checkpoint-2 is written although save_every would not; once an optimizer step of
-    step 3 ran, the weights are part of a step ahead: they are not saved as step 2's."""
+                                                                                  where):
+    """A CUDA out-of-memory error in step 3 (in the update, or raised in a tool call's thread): steps 1-2 stay in
+    metrics.jsonl; with the weights still step 2's (no optimizer step of step 3 ran) checkpoint-2 is written although
+    save_every would not, with the random state from before step 3's draws (a resume draws as the unbroken run);
+    once an optimizer step of step 3 ran, the weights are part of a step ahead: they are not saved as step 2's."""
     cfg = smoke_cfg(tmp_path / "run", sample_data, max_steps=5, save_every=10)
-    real_update = fg.update_policy
+    real_update, real_step, real_train_step, rng_at = fg.update_policy, fg.run_step, fg.train_step, {}
     def update(model, optimizer, rows, cfg, step):
-        if step == 3:
-            if moved:
+        if step == 3 and where.startswith("update"):
+            if "after" in where:
                 real_update(model, optimizer, rows, cfg, step)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real_update(model, optimizer, rows, cfg, step)
+    def train_step(*args):
+        rng_at[args[9]] = torch.get_rng_state()  # (its 10th argument is the step)
+        return real_train_step(*args)
+    def run_step(*args):
+        if len(rng_at) == 3 and where == "a tool's thread":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (the tool's model call)")
+        return real_step(*args)
     monkeypatch.setattr(fg, "update_policy", update)
+    monkeypatch.setattr(fg, "train_step", train_step)
+    monkeypatch.setattr(fg, "run_step", run_step)
     with pytest.raises(SystemExit) as e:
         fg.train(cfg)
     message = str(e.value.code)
@@ -4675,12 +4686,13 @@ def test_out_of_memory_keeps_the_last_complete_step_and_ends_with_one_error_line
     assert "\n" not in message
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+    moved = "after" in where
     saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
     assert saved == ([] if moved else ["checkpoint-2"]) and ("no checkpoint" in message) == moved
     if moved:
         return
     state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=True)
-    assert state["step"] == 2
+    assert state["step"] == 2 and torch.equal(state["rng"]["torch"], rng_at[3])
 
 
 def test_the_qwen_shaped_model_has_qwen2_5_1_5b_sizes_and_live_bytes_counts_what_is_alive():
