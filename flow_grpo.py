@@ -2141,9 +2141,10 @@ def claimed(pred: str, gold: str) -> bool:
     core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
     n, number = len(words), to_number(spelled(gold)) is not None
     # A name before the first comma is the answer given; a later one adds to it ('Benjamin Franklin, with edits by
-    # Thomas Jefferson' is not 'Thomas Jefferson'). Not 'Yes,' or 'Historically,' (one word: a name has two).
+    # Thomas Jefferson' is not 'Thomas Jefferson'). Not 'Yes,' or 'Historically,' (one word: a name has two), nor a
+    # sentence whose verb comes later ('Queen Victoria, who reigned from 1837, was succeeded by Edward VII').
     comma = next((k for k, w in enumerate(words) if w.endswith(",")), n)
-    named = 0 < comma < n and all(w[:1].isupper() for w in words[:comma + 1])
+    named = 0 < comma < n and all(w[:1].isupper() for w in words[:comma + 1]) and not VERBS & set(core[comma + 1:n])
     for i, j in ((i, j) for i in range(n) for j in range(i + 1, min(n, i + len(gold.split()) + 1) + 1)):
         outside = " ".join(core[:i]) + " | " + " ".join(core[j:])  # '|': no phrase across the claim
         if not i and core[0] == "no" and words[0][-1] == ",":  # 'No, it does not converge': its 'not' agrees, but

@@ -3306,6 +3306,7 @@ NQ_HANDMADE = [
     ("Thomas Jefferson, with edits by Benjamin Franklin.", "Thomas Jefferson", 1),
     ("Historically, it was written by Thomas Jefferson.", "Thomas Jefferson", 1),
     ("In 1776, the Declaration was written by Thomas Jefferson.", "Thomas Jefferson", 1),
+    ("Queen Victoria, who reigned from 1837, was succeeded by Edward VII.", "Edward VII", 1),  # a verb after the name
 ]
 
 
