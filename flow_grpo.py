@@ -2827,10 +2827,11 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
 def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
     """The config's worst step: every trajectory at max_turns, every action max_new_tokens long, prompts as 2,000-
     character results make them (~1,100 tokens at turn 1, +950 a turn); a group's turn-1 rows share their prompt.
-    Lengths / shrink: the CPU's measured replica (memory grows linearly in tokens: SDPA, no quadratic attention)."""
+    Prompts / shrink: the CPU's measured replica (memory grows linearly in tokens: SDPA, no quadratic attention); cfg's
+    max_new_tokens is the replica's already."""
     def ids(n: int, seed: int) -> torch.Tensor:
-        return torch.randint(3, 2000, (n // shrink,), generator=torch.Generator().manual_seed(seed))
-    return [Row(prompt_ids=ids(1100 + 950 * t, i // cfg.group_size if t == 0 else 1000 * i + t + 100),
+        return torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(seed))
+    return [Row(prompt_ids=ids((1100 + 950 * t) // shrink, i // cfg.group_size if t == 0 else 1000 * i + t + 100),
                 action_ids=ids(cfg.max_new_tokens, -1 - i), logprobs=torch.zeros(0), advantage=i % 2 - 0.5, traj_id=i)
             for i in range(cfg.batch_size * cfg.group_size) for t in range(cfg.max_turns)]
 
@@ -2869,7 +2870,8 @@ def worst_case(cfg: Config, device: str) -> None:
     """--benchmark --model qwen2.5-1.5b-shape: peak memory and time of the worst rollout (the last turn's planner call,
     every row at max_new_tokens) and update (pi_ref, forward/backward, optimizer step). On CUDA at 28 layers, measured;
     on CPU at 2 and 4 layers, lengths / 16, the update on the biggest micro-batch and the rollout on the first chunk,
-    a layer's cost extrapolated to 28 and lengths x 16 (said so). Weights, LoRA gradients and AdamW state: exact."""
+    a layer's cost extrapolated to 28 and lengths x 16 (said so). Weights and AdamW state: exact; LoRA gradients are
+    also in the scaled peak (an over-estimate on CPU)."""
     shrink, layers = (1, [28]) if device == "cuda" else (16, [2, 4])
     cfg = dataclasses.replace(cfg, dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype,  # the GPU's precision
                               max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch // shrink,
@@ -2888,6 +2890,10 @@ def worst_case(cfg: Config, device: str) -> None:
         big = rows if shrink == 1 else [rows[i] for i in max(packs, key=lambda idx: forward_tokens(
             [rows[i] for i in idx], True))]
         optimizer = make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0]
+        for p in (params := [p for p in model.parameters() if p.requires_grad]):  # AdamW's state made before the
+            p.grad = torch.zeros_like(p)  # measurement: it is counted once, exactly, in "fixed"
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         def update() -> None:
             fill_old_and_ref(model, big, cfg, 1)
             update_policy(model, optimizer, big, cfg, 1)
@@ -2896,7 +2902,7 @@ def worst_case(cfg: Config, device: str) -> None:
             model, tokenizer, [prompts[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature) for idx in chunks])
         found[n, "update"] = peak_memory(device, update)
-        lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lora = sum(p.numel() for p in params)
         found[n, "fixed"] = sum(p.numel() * p.element_size() for p in model.parameters()) + 3 * 4 * lora, 0.0
         del model, optimizer
     def at_28(key: str) -> float:  # a layer's cost = (4 layers - 2 layers) / 2, and 28 = 2 + 26 more
