@@ -936,8 +936,8 @@ class LocalEngine(Engine):
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32,
                  max_batch_tokens: int = 0):  # max_batch_tokens: a decode batch's KV cache (decode_chunks)
-        self.model, self.tokenizer, self.use_adapter, self.max_batch_tokens = model, tokenizer, use_adapter, \
-            max_batch_tokens
+        self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
+        self.max_batch_tokens = max_batch_tokens
         self.max_tokens, self.batch_size, self._queue_lock = max_tokens, batch_size, threading.Lock()
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use

@@ -4641,7 +4641,7 @@ def test_no_tool_tips_leaves_limitations_and_tips_out_of_every_description():
 
 def test_decode_chunks_bound_the_kv_cache_and_leave_a_batch_that_fits_whole(tiny):
     """--rollout-tokens: a decode batch's KV cache (rows x (longest prompt + new tokens)) stays under the cap; where
-    all rows fit, one chunk: the sampled actions are exactly those of one call (same seed, same draws)."""
+    all rows fit, one chunk, i.e. one sample_actions call, as without the cap."""
     model, tok = tiny
     prompts = rendered(tok, ["a", "a", "bb bb", "a much longer prompt with many words", "e"])
     lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
