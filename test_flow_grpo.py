@@ -3622,17 +3622,23 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     assert len(losses) == 6 and losses[-1] < 0.7 * losses[0]
     prompts = [p for ps, _ in seen for p in ps]
     plans = [json.loads(tok.decode(a[:-1])) for _, acts in seen for a in acts]
-    assert len(plans) == 6 * 6 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
+    assert len(plans) == 6 * 12 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
     # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
     turn1 = []
     fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps: turn1.extend(ps) or ["x"] * len(ps),
                    frozen=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
     assert [tok.decode(p) for p in prompts[:6]] == [fg.render_chat(tok, p) for p in turn1[:6]]
-    # ... and every step pairs each question with every tool once: the demonstrations teach the format, not a choice.
+    # ... and every step pairs each question with every tool once per turn: the demonstrations teach the format, not
+    # a choice; turn 2's prompts hold one real step (max_turns 2), so a memory's tool is not simply repeated.
+    texts = [tok.decode(p) for p in prompts]
     for step in range(6):
-        pairs = Counter((p["sub_goal"], p["tool_name"]) for p in plans[6 * step:6 * step + 6])
-        questions = {q for q, _ in pairs}
-        assert len(questions) == 3 and set(pairs) == {(q, t) for q in questions for t in tools}
+        for turn in (1, 2):
+            rows = range(12 * step + 6 * (turn - 1), 12 * step + 6 * turn)
+            pairs = Counter((plans[i]["sub_goal"], plans[i]["tool_name"]) for i in rows)
+            questions = {q for q, _ in pairs}
+            assert len(questions) == 3 and set(pairs) == {(q, t) for q in questions for t in tools}
+            assert all(f"This is step {turn} of at most 2." in texts[i] for i in rows)
+            assert all(('"Step 1"' in texts[i]) == (turn == 2) for i in rows)
 
 
 def test_no_analysis_skips_the_analyst_and_leaves_its_notes_out_of_the_prompts():
