@@ -116,8 +116,8 @@ class Config:
     dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small "
                         "early LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
     load_in_4bit: bool = option(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
-    gradient_checkpointing: bool = option(True, "trade compute for memory in the update: without it one 5k-token "
-                                          "row of Qwen2.5-1.5B needs ~21 GB of activations (README)")
+    gradient_checkpointing: bool = option(True, "trade compute for memory in the update: without it, micro-batches of "
+                                          "16k tokens of Qwen2.5-1.5B need ~66 GB (README)")
     phase_timeout_s: float = option(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
     # --- data ---
     train_file: str = option("data/train/combined_train.parquet", "training parquet from prepare_data.py")
