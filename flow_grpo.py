@@ -43,8 +43,9 @@ SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its group
 HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
     python prepare_data.py && python flow_grpo.py   # fetch the data; train Qwen2.5-1.5B-Instruct's planner on one GPU
     python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
-    python flow_grpo.py --ask "What is 12 squared?" --adapter runs/flow_grpo/checkpoint-200
+    python flow_grpo.py --learning-curve   # any CPU, seconds: the update on one- and two-turn toys (tiny model)
     python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on the tools task ('smoke': tiny)
+    python flow_grpo.py --preset scripted-roles   # two-turn plans, every frozen role an exact rule (section 10)
 
 DELIBERATE SIMPLIFICATIONS (and why)
   * One process, one GPU: the frozen roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
@@ -109,8 +110,6 @@ class Config:
     judge_base_url: str = option("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
     judge_model: str = option("", "model name of the LLM judge")
     api_key_env: str = option("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
-    embed_base_url: str = option("", "OpenAI-compatible embeddings URL to rank RAG passages (empty = BM25, no key)")
-    embed_model: str = option("", "embeddings model name at --embed-base-url")
     request_timeout_s: float = option(60.0, "timeout of one remote request (a timed-out request is not retried)")
     device: str = option("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
     dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small "
@@ -126,8 +125,7 @@ class Config:
     kinds: str = option("", "train and evaluate on these kinds only (the 'source' column: 'arithmetic,lookup')")
     eval_every: int = option(50, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
     plan_tools: str = option("", "--eval of a scripted planner: tool A at turn 1, B at 2 ('A,B'): what a plan can win")
-    scripted_roles: bool = option(False, "rule-based stand-ins for every frozen LLM role (executor, the tools' LLM, "
-                                  "answer writer): the reward measures the plan alone (section 10)")
+    scripted_roles: bool = option(False, "rule-based stand-ins for the frozen LLM roles: the reward measures the plan")
     wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
     tools: str = option("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
@@ -186,23 +184,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   gradient_checkpointing=False, eval_every=0,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
-    # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia (compound questions: README).
-    # KL 0.3 to the warm start brakes the drift to one tool that each update pushes; 24 steps, as a 12-step cosine
-    # decays the lr before the kinds split; 32 SFT steps, as fewer can leave a tool rarely tried (README). Small lr:
-    # Adam's first steps move each weight by ~lr; float32 on a GPU too (bf16 rounds them away). A group a micro-batch.
+    # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. KL 0.3 to the warm start brakes
+    # the drift of every question to one tool; float32 on a GPU too (bf16 rounds small updates away). README: why.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
-                gradient_checkpointing=False,
                 lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
-                tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu"),
+                tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False),
 }
-# The two-turn lesson (compound: Wikipedia, then Python) on the same task, all three kinds: SmolLM2 is the trained
-# planner as above, and EXACT rule-based stand-ins play every frozen role, so the reward measures the plan alone.
-# Sized for 2 CPU cores: a step's cost is its rows' prompt tokens (each turn-2 prompt is its own), so one question
-# of each kind a step (B=3) and fewer, larger steps (lr 5e-5, KL 0.1).
+# The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
+# rule-based stand-ins play every frozen role (the reward measures the plan alone). For 2 cores: a step's cost is its
+# prompt tokens (each turn-2 prompt is its own), so a question of each kind a step and fewer, larger steps.
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3, lr=5e-5,
                                  kl_coef=0.1, sft_steps=24, max_steps=12, eval_every=6, save_every=6, eval_limit=24,
                                  output_dir="runs/scripted-roles")
@@ -1327,7 +1321,7 @@ def _short_error(e: BaseException, max_chars: int = 300) -> str:
     """'TypeName: message' on one bounded line: what tools put in {"error": ...}."""
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
-# --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key) or embeddings.
+# --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key).
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
     whole in one of them: chunk_words("a b c d e", size=3, overlap=1) -> ['a b c', 'c d e']."""
@@ -1361,17 +1355,6 @@ def bm25_top_k(query: str, chunks: list[str], k: int = 5) -> list[int]:
     """Indices of the k chunks that best match the query under BM25, best first, ties to the lower index."""
     scores = bm25_scores(query, chunks)
     return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:max(0, k)]
-
-def embedding_top_k(query: str, chunks: list[str], k: int, client: Any, model: str, batch_size: int = 64) -> list[int]:
-    """bm25_top_k's contract, ranked by the cosine similarity of embeddings from an openai.OpenAI client."""
-    texts, vectors = [query, *chunks], []
-    for start in range(0, len(texts), batch_size):  # servers cap the inputs per request
-        # "float": the client otherwise asks for base64, which some OpenAI-compatible servers do not implement
-        response = client.embeddings.create(model=model, input=texts[start:start + batch_size], encoding_format="float")
-        vectors += [item.embedding for item in sorted(response.data, key=lambda d: d.index)]  # not the list order
-    q = vectors[0]
-    cosines = [sum(a * b for a, b in zip(q, v)) / (math.hypot(*q) * math.hypot(*v) or 1.0) for v in vectors[1:]]
-    return sorted(range(len(chunks)), key=lambda i: (-cosines[i], i))[:k]
 
 # --- Scripted roles (--scripted-roles): exact, rule-based stand-ins for every frozen LLM role, each doing what a
 # capable model would do with the plan it is given. A 135M executor, coder or reader fails right plans for reasons
@@ -1463,21 +1446,13 @@ def tool_input(name: str, **fields: str) -> type[BaseModel]:
 class RAGTool(Tool):
     """Retrieval: a text -> overlapping word windows -> the top_k best -> an answer written from them only."""
     top_k, chunk_size, chunk_overlap = 4, 150, 20  # passages kept, words per window, words shared by neighbours
-    embed_client: Any = None  # an openai.OpenAI client: rank by embeddings (else BM25)
-    embed_model: Optional[str] = None
-
-    def rank(self, query: str, chunks: list[str]) -> list[int]:
-        """Embeddings if configured, else BM25, also when they fail: an outage must not be charged to the planner."""
-        if self.embed_client is not None and self.embed_model:
-            with contextlib.suppress(Exception):
-                return embedding_top_k(query, chunks, self.top_k, self.embed_client, self.embed_model)
-        return bm25_top_k(query, chunks, self.top_k)
 
     def grounded_prompt(self, query: str, text: str, source: str, if_unanswered: str = "say so") -> str:
         """Answer from the best passages of `text` only, numbered so that the answer can refer to them. The query
         last, next to "Answer:": with it first, a small reader tends to write what it believes about the title."""
         chunks = chunk_words(text, self.chunk_size, self.chunk_overlap)
-        numbered = "\n\n".join(f"[{n}] {chunks[i]}" for n, i in enumerate(self.rank(query, chunks), start=1))
+        best = bm25_top_k(query, chunks, self.top_k)
+        numbered = "\n\n".join(f"[{n}] {chunks[i]}" for n, i in enumerate(best, start=1))
         return (f"Answer the query using ONLY the passages below from {source}. Keep exact names, numbers and dates. "
                 f"If the passages do not answer the query, {if_unanswered}.\n\n"
                 f"Passages:\n{numbered}\n\nQuery: {query}\nAnswer:")
@@ -1710,17 +1685,15 @@ def read_corpus(path: str) -> dict[str, str]:
     return pages
 
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
-               embed_client: Any = None, embed_model: Optional[str] = None,
                wiki_corpus: Optional[dict[str, str]] = None, tips: bool = True,
                scripted: bool = False) -> dict[str, Tool]:
-    """Tools by name; RAG tools also get the embeddings, Wikipedia its corpus; tips=False drops limitations and tips;
-    scripted=True puts the rule-based stand-ins in place of the tools' LLM."""
+    """Tools by name; Wikipedia gets its corpus; tips=False drops limitations and tips; scripted=True puts the
+    rule-based stand-ins in place of the tools' LLM."""
     if unknown := [n for n in names if n not in TOOL_CLASSES]:
         raise ValueError(f"unknown tool(s) {unknown}; valid names: {sorted(TOOL_CLASSES)}")
-    rag = {"embed_client": embed_client, "embed_model": embed_model}
     brief = {} if tips else {"limitations": "", "tips": ""}
-    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, scripted=scripted, **brief,
-                                **(rag if issubclass(TOOL_CLASSES[n], RAGTool) else {})) for n in names}
+    tools = {n: TOOL_CLASSES[n](engine, timeout_s=timeout_s, max_tokens=max_tokens, scripted=scripted, **brief)
+             for n in names}
     if WikipediaTool.name in tools:
         tools[WikipediaTool.name].corpus = wiki_corpus
     if PythonCoderTool.name in tools:
@@ -2315,13 +2288,8 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     judge = None if cfg.judge == "rule" else frozen
     if judge and cfg.judge_base_url:
         judge = remote("--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256)
-    options: dict[str, Any] = {"timeout_s": cfg.tool_timeout_s, "tips": cfg.tool_tips}
-    if cfg.embed_base_url:  # optional dense retrieval for the RAG tools; BM25 otherwise
-        from openai import OpenAI
-        options.update(embed_client=OpenAI(base_url=cfg.embed_base_url, timeout=cfg.request_timeout_s,
-                                           api_key=os.environ.get(cfg.api_key_env) or "EMPTY"),
-                       embed_model=cfg.embed_model or "text-embedding-3-small")
-    tools = make_tools(tool_names(cfg), frozen, wiki_corpus=corpus, scripted=cfg.scripted_roles, **options)
+    tools = make_tools(tool_names(cfg), frozen, timeout_s=cfg.tool_timeout_s, tips=cfg.tool_tips, wiki_corpus=corpus,
+                       scripted=cfg.scripted_roles)
     return model, tokenizer, frozen, tools, judge
 
 def ensure_sample_data(cfg: Config) -> None:
@@ -2364,10 +2332,10 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
     """checkpoint-<step>/: the peft adapter (for vLLM --enable-lora) and all a resume needs; written aside, renamed.
     rng: the random state to keep (default: now's)."""
     final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".tmp-checkpoint-{step}"
-    rng = rng or rng_state()
     try:
         model.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": rng or rng_state()},
                    tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
         (tmp / "config.json").write_text(json.dumps(run_settings(cfg, train_data), indent=1))
     except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos", a RuntimeError
@@ -2412,7 +2380,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
                "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
                "max_tokens_per_micro_batch", "rollout_tokens", "request_timeout_s", "fixed_base_url", "judge_base_url",
-               "embed_base_url", "api_key_env")
+               "api_key_env")
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
@@ -2453,9 +2421,8 @@ def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     for st in states:
         asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
         c.update(f"tool:{t.plan.tool_name}" for t in asked)
-        analysed = int(bool(st.analysis))  # "" when --no-analysis: no analyst was asked
         verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
-        structured = analysed + len(asked) + verdicts
+        structured = int(bool(st.analysis)) + len(asked) + verdicts  # (analysis "": --no-analysis asked no analyst)
         failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
         c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
                  calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],
@@ -2558,10 +2525,8 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
     rollout prompts -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t: the fit is uniform over tools,
-    none taught or preferred when RL starts. With --max-turns > 1 the turn-2 prompts too, after one real step with a
-    tool drawn per question: else a planner repeats the tool its memory names (8 of 10 sampled turn-2 plans of
-    --preset scripted-roles did), and a plan that changes tool is rarely tried. Own AdamW, lr decayed to 0: a constant
-    lr leaves a tool preferred."""
+    none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too, after one real step with a
+    tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed to 0."""
     names, kinds = list(tools), [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2647,8 +2612,7 @@ def optimizer_steps(optimizer) -> int:
 
 def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bool, rng: dict, *saving) -> None:
     """A CUDA out-of-memory error in step `step`. Unless an optimizer step of it already ran (moved), the weights are
-    still those of the last COMPLETE step: saved, if not yet, with the random state from before this step's draws
-    (rng), so a resume draws as the unbroken run. The logs hold complete steps only. One line, the flags."""
+    the last COMPLETE step's: saved, if not yet, with the random state before this step (rng). One line, the flags."""
     torch.cuda.empty_cache()  # (a no-op without CUDA) room to write the checkpoint
     if not moved and step > 1 and (last is None or last.name != f"checkpoint-{step - 1}"):
         last = save_checkpoint(out_dir, step - 1, *saving, rng=rng)
@@ -2726,13 +2690,11 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
     rising curve shows the update's sign and scale are right. lr 2e-2: higher, a solved seed (all advantages 0) can
     drift back on Adam's scaled-up KL gradient.
     turns=1: reward = the share of digits in the action (d1).
-    turns=2: Flow-GRPO's credit assignment, as 'look up a number, then say it in words'. Turn 1 as above; turn 2's
-    prompt holds turn 1's action, and its one token must NOT be a digit: part2 = 1 - its digits' share. reward =
-    d1 * part2, ONE number per trajectory, broadcast as the same advantage to the rows of both turns; per step
-    (reward, d1, part2). What turn 1 learns (digits) drifts into turn 2 too, as a small model's output moves along
-    one direction for every prompt: only turn 2's own rows, with the final reward's advantage, pull it back (trained
-    on turn 1's rows alone, part2 falls to ~0.1: test_learning_toy_two_turns_turn2_learns_from_its_own_rows).
-    agg 'token-mean': under 'turn' the one token of turn 2 weighs as much as turn 1's eight and slows turn 1."""
+    turns=2: 'look up a number, then say it in words'. Turn 2's prompt holds turn 1's action, and its one token must
+    NOT be a digit: reward = d1 * part2, ONE number per trajectory, its advantage broadcast to both turns' rows; per
+    step (reward, d1, part2). Turn 1's digits drift into turn 2 (a small model's output moves along one direction
+    for every prompt): only turn 2's own rows pull it back (test_learning_toy_two_turns_turn2_learns_from_its_own_rows).
+    agg 'token-mean': under 'turn' turn 2's one token weighs as much as turn 1's eight and slows turn 1."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
                  gradient_checkpointing=False, agg="turn" if turns == 1 else "token-mean",
@@ -2838,8 +2800,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
 def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
     """The config's worst step: every trajectory at max_turns, every action max_new_tokens long, prompts as 2,000-
     character results make them (~1,100 tokens at turn 1, +950 a turn); a group's turn-1 rows share their prompt.
-    Prompts / shrink: the CPU's measured replica (memory grows linearly in tokens: SDPA, no quadratic attention); cfg's
-    max_new_tokens is the replica's already."""
+    Prompts / shrink (cfg's max_new_tokens is shrunk already): memory grows linearly in tokens (SDPA)."""
     def ids(n: int, seed: int) -> torch.Tensor:
         return torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(seed))
     return [Row(prompt_ids=ids((1100 + 950 * t) // shrink, i // cfg.group_size if t == 0 else 1000 * i + t + 100),

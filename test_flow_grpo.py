@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 import flow_grpo as fg
 import prepare_data
 from flow_grpo import (TOOL_CLASSES, GeneralistTool, PythonCoderTool, WebRAGTool, WikipediaTool, bm25_top_k,
-                       chunk_words, embedding_top_k, fetch_limited, make_tools, page_text, run_python)
+                       chunk_words, fetch_limited, make_tools, page_text, run_python)
 
 ROOT = Path(__file__).resolve().parent
 FLOW_GRPO = str(ROOT / "flow_grpo.py")  # run with cwd=tmp_path: a preset writes its data there, not in the checkout
@@ -2451,8 +2451,8 @@ def test_make_tools():
         make_tools(["Google_Search_Tool"], echo_engine())
     with pytest.raises(TypeError, match="timout_s"):  # a misspelled option is an error, not silently ignored
         make_tools(["Python_Coder_Tool"], echo_engine(), timout_s=3)
-    web = make_tools(["Web_RAG_Search_Tool"], echo_engine(), max_tokens=7, embed_model="m")["Web_RAG_Search_Tool"]
-    assert web.max_tokens == 7 and web.embed_model == "m" and web.timeout_s == 10.0
+    web = make_tools(["Web_RAG_Search_Tool"], echo_engine(), max_tokens=7)["Web_RAG_Search_Tool"]
+    assert web.max_tokens == 7 and web.timeout_s == 10.0
     assert set(TOOL_CLASSES) == {"Generalist_Solution_Generator_Tool", "Python_Coder_Tool",
                                  "Wikipedia_RAG_Search_Tool", "Web_RAG_Search_Tool"}
 
@@ -2671,15 +2671,6 @@ def web_route(handler):
     elif path == "/slow":
         time.sleep(3)
         send(handler, body="too late")
-    elif path == "/v1/embeddings":  # stand-in for an OpenAI-compatible embeddings server
-        request = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
-        # 2-d "embedding": does the text mention owls? does it mention filler?
-        vectors = [[float("owl" in t.lower()), float("filler" in t.lower() or "padding" in t.lower())]
-                   for t in request["input"]]
-        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
-        send(handler, body=json.dumps({"object": "list", "data": data, "model": request["model"],
-                                       "usage": {"prompt_tokens": 1, "total_tokens": 1}}),
-             content_type="application/json")
     else:
         send(handler, status=404, body="not found")
 
@@ -2752,21 +2743,6 @@ def test_web_rag_trickling_server_hits_the_wall_clock_limit(web):
     result = WebRAGTool(echo_engine(), timeout_s=1)({"query": "q", "url": f"{web}/trickle"})
     assert time.monotonic() - start < 2.5
     assert result == {"error": f"could not fetch {web}/trickle: TimeoutError: timed out after 1.0 s"}
-
-
-def test_embedding_ranker_through_openai_client(web):
-    import openai
-    client = openai.OpenAI(base_url=f"{web}/v1", api_key="test", max_retries=0, timeout=5)
-    chunks = ["Filler about rivers", "The snowy owl lives in the Arctic", "Padding about hills"]
-    assert embedding_top_k("owl habitat", chunks, k=2, client=client, model="stand-in") == [1, 0]
-    # BM25 prefers the "habitat" chunk (index 2); the stand-in embeddings prefer the owl (index 1)
-    chunks = ["rivers", "an owl", "habitat habitat habitat here"]
-    assert bm25_top_k("owl habitat", chunks, k=1) == [2]
-    tool = WebRAGTool(echo_engine(), top_k=1, embed_client=client, embed_model="stand-in")
-    assert tool.rank("owl habitat", chunks) == [1]
-    broken = WebRAGTool(echo_engine(), top_k=1, embed_model="stand-in",
-                        embed_client=openai.OpenAI(base_url=f"{dead_url()}/v1", api_key="x", max_retries=0, timeout=5))
-    assert broken.rank("owl habitat", chunks) == [2]  # endpoint down: falls back to BM25
 
 
 def test_no_exec_or_eval_of_model_output():
