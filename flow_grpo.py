@@ -3,7 +3,7 @@ flow_grpo.py - Flow-GRPO in one file: train the planner of a tool-using agent wi
 
 THE SYSTEM. A question is answered in turns. At turn t the *planner* (the only model we train: a LoRA adapter on an
 instruct LLM) reads the state s_t = question + query analysis + tool descriptions + memory of earlier steps and
-writes a plan a_t (JSON: justification, context, sub_goal, tool_name). A frozen *executor* turns it into a tool call,
+writes a plan a_t (JSON: tool_name, sub_goal, context, justification). A frozen *executor* turns it into a tool call,
 the *tool* runs, its result goes to *memory*, a frozen *verifier* says STOP or CONTINUE. Finally a frozen *generator*
 writes the answer and a *judge* compares it with the ground truth: one reward R(tau) in {0, 1} per trajectory.
 
@@ -195,8 +195,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False),
 }
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
-# rule-based stand-ins play every frozen role (the reward measures the plan alone). For 2 cores: a step's cost is its
-# prompt tokens (each turn-2 prompt is its own), so a question of each kind a step and fewer, larger steps.
+# rule-based stand-ins play every frozen role (the reward measures the plan alone). A step costs its prompt tokens.
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3, lr=5e-5,
                                  kl_coef=0.1, sft_steps=24, max_steps=12, eval_every=6, save_every=6, eval_limit=24,
                                  output_dir="runs/scripted-roles")
@@ -998,12 +997,13 @@ class QueryAnalysis(BaseModel):
     additional_considerations: str = Field(default="", description="traps, units, answer format")
 
 class NextStep(BaseModel):
-    """The planner's action a_t: THE text that Flow-GRPO trains. Only sub_goal and tool_name are required: the
-    planner is never constrained, and a small model often skips the rest - a strict schema would waste its plans."""
-    justification: str = Field(default="", description="why this tool is the right next step")
-    context: str = Field(default="", description="facts from the question and memory that the tool needs")
-    sub_goal: str = Field(description="what this one step must achieve")
+    """The planner's action a_t: THE text Flow-GRPO trains (unconstrained: a small model skips the optional fields).
+    The tool first: chosen before any free text, the token limit cannot cut it, and greedy evaluation chooses in the
+    state sampling does, not after an exact copy of the question that sampling rarely makes."""
     tool_name: str = Field(description="exactly one tool name from the list")
+    sub_goal: str = Field(description="what this one step must achieve")
+    context: str = Field(default="", description="facts from the question and memory that the tool needs")
+    justification: str = Field(default="", description="why this tool is the right next step")
 
 class Verification(BaseModel):
     """The verifier's verdict after each step."""
@@ -2524,7 +2524,7 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
 
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
-    rollout prompts -> {"sub_goal": question, "tool_name": t} + EOS for EVERY tool t: the fit is uniform over tools,
+    rollout prompts -> {"tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform over tools,
     none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too, after one real step with a
     tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed to 0."""
     names, kinds = list(tools), [r.get("source") for r in rows]
@@ -2538,7 +2538,7 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
         states = [(q, t, Memory(), 1) for q, t in zip(pool, texts)]  # (question, analysis, memory, turn)
         if cfg.max_turns > 1:
             draw = random.Random(f"sft-{cfg.seed}-{step}")  # (its own stream: the global ones stay as they were)
-            plans = [json.dumps({"sub_goal": q, "tool_name": draw.choice(names)}) for q in pool]
+            plans = [json.dumps({"tool_name": draw.choice(names), "sub_goal": q}) for q in pool]
             firsts = solve_batch(pool, planner=lambda _: plans, frozen=frozen, tools=tools,
                                  **{**agent_options(cfg), "max_turns": 1, "analysis": False})
             states += [(q, t, st.memory, 2) for q, t, st in zip(pool, texts, firsts)]
@@ -2546,7 +2546,7 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
         prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, m, turn, cfg.max_turns)),
                                 add_special_tokens=False, return_tensors="pt")["input_ids"][0]
                       for q, t, m, turn, _ in pairs]
-        actions = [torch.tensor(tokenizer(json.dumps({"sub_goal": q, "tool_name": name}), add_special_tokens=False)
+        actions = [torch.tensor(tokenizer(json.dumps({"tool_name": name, "sub_goal": q}), add_special_tokens=False)
                                 ["input_ids"] + [tokenizer.eos_token_id]) for q, _, _, _, name in pairs]
         total, n_tokens, seq_logp = 0.0, sum(len(a) for a in actions), []
         optimizer.zero_grad(set_to_none=True)
@@ -2741,7 +2741,7 @@ def scripted_planner(names: list[str]) -> Callable[[list[str]], list[str]]:
         for p in prompts:  # (the question may hold blank lines; the memory, text that looks like a step line)
             question = re.search(r"\n\nQuestion: (.*?)\n\n(?:Query analysis: .*?\n\n)?Available tools:\n", p, re.S)[1]
             turn = int(re.findall(r"This is step (\d+) of at most \d+\.", p)[-1])
-            out.append(json.dumps({"sub_goal": question, "tool_name": names[min(turn, len(names)) - 1]}))
+            out.append(json.dumps({"tool_name": names[min(turn, len(names)) - 1], "sub_goal": question}))
         return out
     return plan
 

@@ -1634,6 +1634,19 @@ def test_lenient_next_step_needs_only_tool_name_and_sub_goal():
     assert '"justification" (string, optional)' in shown and '"tool_name" (string, required):' in shown
 
 
+def test_plan_names_its_tool_first_so_the_token_limit_cannot_cut_it(tiny):
+    shown = fg.schema_instruction(fg.NextStep)  # the prompt lists tool_name first, the warm start writes it first
+    assert shown.index('"tool_name"') < shown.index('"sub_goal"') < shown.index('"justification"')
+    _, tok = tiny
+    text = json.dumps({"tool_name": "Python_Coder_Tool", "sub_goal": "add 3 and 4 then multiply by a long factor"})
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    cut = tok.decode(ids[: len(ids) // 2])  # what a token limit halfway through leaves
+    assert '"sub_goal"' in cut and not cut.rstrip().endswith("}")
+    assert fg.parse_structured(cut, fg.NextStep).tool_name == "Python_Coder_Tool"
+    late = json.dumps({"sub_goal": "add 3 and 4 then multiply by a long factor", "tool_name": "Python_Coder_Tool"})
+    assert fg.parse_structured(late[: len(late) // 2], fg.NextStep) is None  # the old order lost the whole plan
+
+
 
 # ====================================================================================================
 # 10. Tools and the sandbox
@@ -3599,6 +3612,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     prompts = [p for ps, _ in seen for p in ps]
     plans = [json.loads(tok.decode(a[:-1])) for _, acts in seen for a in acts]
     assert len(plans) == 6 * 12 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
+    assert all(tok.decode(a).startswith('{"tool_name": ') for _, acts in seen for a in acts)  # the decision first
     # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
     turn1 = []
     fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps: turn1.extend(ps) or ["x"] * len(ps),
