@@ -874,6 +874,19 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
 
+def string_slots(schema: type[BaseModel]) -> int:
+    """How many strings a JSON under `schema` may hold (a list's counted 8 times: json_grammar's maxItems)."""
+    def count(node: Any) -> int:
+        if isinstance(node, list):
+            return sum(map(count, node))
+        if not isinstance(node, dict):
+            return 0
+        if node.get("type") == "string":
+            return 1
+        inner = sum(map(count, node.values()))
+        return 8 * inner if node.get("type") == "array" else inner
+    return max(1, count(schema.model_json_schema()))
+
 @functools.cache
 def schema_matcher(ll_tokenizer, schema: type[BaseModel], max_chars: int) -> llguidance.LLMatcher:
     """A matcher never advanced, for rows to deep_copy: the copies share the lexer states that it builds lazily (and
@@ -892,8 +905,10 @@ class SchemaMask:
     # a byte of the bitmask -> the biases of its 8 tokens, lowest bit first: 0 if the bit is set (allowed), else -inf
     BYTE_BIAS_256x8 = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
-    def __init__(self, ll_tokenizer, schemas: list, max_chars: int):
-        self.matchers = {i: schema_matcher(ll_tokenizer, s, max_chars).deep_copy() for i, s in enumerate(schemas) if s}
+    def __init__(self, ll_tokenizer, schemas: list, chars: int, max_chars: int):
+        """chars: the characters a row's strings share (a one-string call can hold a long question); max_chars: each."""
+        self.matchers = {i: schema_matcher(ll_tokenizer, s, min(max_chars, max(8, chars // string_slots(s)))).deep_copy()
+                         for i, s in enumerate(schemas) if s}
         if self.matchers:  # bitmask_BW: W int32 words of 32 tokens, a row per batch row
             import llguidance.torch  # not at the top: it loads torch's compiler (seconds)
             self.bitmask_BW = llguidance.torch.allocate_token_bitmask(len(schemas), ll_tokenizer.vocab_size)
@@ -925,7 +940,7 @@ class LocalEngine(Engine):
     at its EOS): use_adapter=False (the frozen roles) switches LoRA off, so this IS the frozen base at no extra memory;
     True is the trained planner (--ask, --eval). A schema constrains decoding; JSON unfinished at the token limit gives
     "". Calls queue; whoever gets the lock serves them all in one batch."""
-    max_json_chars: int = 256  # cap on every JSON string under a schema, lowered to half the token limit
+    max_json_chars: int = 4096  # cap on every JSON string under a schema, lowered to share 2 x the token limit
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32,
                  max_batch_tokens: int = 0):  # max_batch_tokens: a decode batch's KV cache (decode_chunks)
@@ -976,10 +991,8 @@ class LocalEngine(Engine):
             rendered = [render_chat(self.tokenizer, p) for p in prompts]
             for idx in decode_chunks(self.tokenizer, rendered, max_tokens, self.max_batch_tokens, self.batch_size):
                 chunk = [rendered[i] for i in idx]
-                # ~3 characters per token: four strings of max_tokens/2 characters and their keys still close,
-                # and a one-string call (the executor's) can hold a whole question.
-                cap = min(self.max_json_chars, max(8, max_tokens // 2))
-                mask = SchemaMask(self._ll_tokenizer, [schemas[i] for i in idx], cap)
+                # ~3 characters per token: strings of 2 x max_tokens characters in all and their keys still close
+                mask = SchemaMask(self._ll_tokenizer, [schemas[i] for i in idx], 2 * max_tokens, self.max_json_chars)
                 samples = sample_actions(self.model, self.tokenizer, chunk, max_new_tokens=max_tokens, temperature=0,
                                          share_prefill=self.dedup, choose=mask)  # (it counts tokens and limit hits)
                 outs += [s.text if r not in mask.matchers or mask.matchers[r].is_accepting() else ""

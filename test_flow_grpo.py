@@ -1347,14 +1347,31 @@ def test_schema_mask_keeps_the_usual_tokens_where_the_grammar_forces_bytes(tiny)
     its mask allows only '{"': the tokens such text is made of. A model whose top token is '{' gets the mask's choice."""
     import llguidance.hf
     model, tok = tiny
-    mask = fg.SchemaMask(llguidance.hf.from_tokenizer(tok), [fg.QueryAnalysis], 8)
-    twin = fg.SchemaMask(llguidance.hf.from_tokenizer(tok), [fg.QueryAnalysis], 8).matchers
+    mask = fg.SchemaMask(llguidance.hf.from_tokenizer(tok), [fg.QueryAnalysis], 64, 8)
+    twin = fg.SchemaMask(llguidance.hf.from_tokenizer(tok), [fg.QueryAnalysis], 64, 8).matchers
     brace = next(t for t in range(len(tok)) if tok.decode([t]) == "{")
     logits_RV = torch.zeros(1, model.config.vocab_size)
     logits_RV[0, brace] = 10.0
     assert mask.matchers[0].validate_tokens([brace]) == 1  # the check alone would take it
     got = mask(torch.tensor([0]), logits_RV)
     assert got.tolist() == plain_schema_mask(twin, logits_RV).argmax(1).tolist() and tok.decode(got) == '{"'
+
+
+def test_a_one_string_tool_call_holds_a_long_question_under_the_default_token_limit(tiny):
+    """The characters 2 x max_tokens are shared by a schema's strings: the executor's one string can hold a long
+    DeepMath question (the old cap, max_tokens / 2 for every string, cut it at 256), four strings stay short."""
+    import llguidance.hf
+    ll = llguidance.hf.from_tokenizer(tiny[1])
+    query = fg.make_tools(["Python_Coder_Tool"], None)["Python_Coder_Tool"].input_model
+    assert [fg.string_slots(s) for s in (query, fg.Verification, fg.NextStep, fg.TitleSelection)] == [1, 1, 4, 8]
+    text = json.dumps({"query": "What is 12 times 7, plus 5? " * 32}, separators=(",", ":"))  # ~900 characters
+    ids = tiny[1](text, add_special_tokens=False)["input_ids"]
+    mask = fg.SchemaMask(ll, [query, fg.NextStep], 2 * fg.Config.fixed_max_tokens, fg.LocalEngine.max_json_chars)
+    assert mask.matchers[0].validate_tokens(ids) == len(ids)
+    assert fg.SchemaMask(ll, [query], 256, 256).matchers[0].validate_tokens(ids) < len(ids)  # the old cap
+    four = json.dumps({"tool_name": "x" * 300, "sub_goal": "s"}, separators=(",", ":"))  # over 1024 / 4 characters
+    four_ids = tiny[1](four, add_special_tokens=False)["input_ids"]
+    assert mask.matchers[1].validate_tokens(four_ids) < len(four_ids) - 40
 
 
 @pytest.mark.parametrize("which,padded", [("tiny", 0), ("tiny", 45), ("smollm2", 0)])
@@ -1368,9 +1385,9 @@ def test_schema_mask_makes_the_plain_masks_greedy_choice_at_every_decoding_step(
     masked, kept, Plain = [], [], fg.SchemaMask
 
     class Checked(Plain):
-        def __init__(self, ll_tokenizer, schemas, max_chars):
-            super().__init__(ll_tokenizer, schemas, max_chars)
-            self.twin = Plain(ll_tokenizer, schemas, max_chars)  # the reference's own matchers
+        def __init__(self, ll_tokenizer, schemas, chars, max_chars):
+            super().__init__(ll_tokenizer, schemas, chars, max_chars)
+            self.twin = Plain(ll_tokenizer, schemas, chars, max_chars)  # the reference's own matchers
 
         def __call__(self, rows_R, logits_RV):
             twins = {r: self.twin.matchers[i] for r, i in enumerate(rows_R.tolist()) if i in self.twin.matchers}
