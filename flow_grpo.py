@@ -2606,7 +2606,12 @@ def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optio
     model.eval()
     planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens,
                           max_batch_tokens=cfg.rollout_tokens)
-    result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+    try:
+        result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+    except torch.cuda.OutOfMemoryError:  # the training step is done and goes on; only this point of the curve is lost
+        torch.cuda.empty_cache()
+        log("[eval] out of GPU memory: this evaluation is skipped (lower --rollout-tokens or --eval-limit)")
+        return {"eval_skipped": "out of GPU memory", "eval_s": time.perf_counter() - t0}
     log(f"held-out accuracy {result['correct']}/{result['n']}: " + ", ".join(
         f"{kind} {acc:.2f}" for kind, acc in result["by_kind"].items()))
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],

@@ -4709,6 +4709,25 @@ def test_out_of_memory_keeps_the_last_complete_step_and_ends_with_one_error_line
     assert state["step"] == 2 and torch.equal(state["rng"]["torch"], rng_at[3])
 
 
+def test_out_of_memory_in_a_held_out_evaluation_skips_that_point_and_training_goes_on(tmp_path, sample_data,
+                                                                                      monkeypatch, capsys):
+    cfg = smoke_cfg(tmp_path / "run", sample_data, max_steps=4, save_every=10, eval_every=2, eval_limit=2)
+    real, calls = fg.greedy_eval, []
+    def greedy_eval(*args):
+        calls.append(1)
+        if len(calls) == 2:  # step 2's evaluation (step 0's is the first)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real(*args)
+    monkeypatch.setattr(fg, "greedy_eval", greedy_eval)
+    fg.train(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4] and len(calls) == 3
+    assert lines[2]["eval_skipped"] == "out of GPU memory" and "eval_accuracy" not in lines[2]
+    assert "eval_accuracy" in lines[0] and "eval_accuracy" in lines[4]
+    assert "[eval] out of GPU memory" in capsys.readouterr().err
+    assert (tmp_path / "run" / "checkpoint-4").is_dir()
+
+
 def test_the_qwen_shaped_model_has_qwen2_5_1_5b_sizes_and_live_bytes_counts_what_is_alive():
     """--model qwen2.5-1.5b-shape: Qwen2.5-1.5B-Instruct's public sizes (1.54B parameters, tied embeddings), built on
     the meta device here (no memory). LiveBytes, the CPU's memory counter: a freed tensor stops counting, a view of
