@@ -64,9 +64,36 @@ DELIBERATE SIMPLIFICATIONS (and why)
 
 from __future__ import annotations
 
-import argparse, concurrent.futures, contextlib, dataclasses, fcntl, functools, hashlib, importlib.util, inspect
-import itertools, json, logging, math, os, random, re, resource, select, shutil, signal, subprocess, sys, tempfile
-import textwrap, threading, time, unicodedata, urllib.parse, warnings, weakref
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import inspect
+import itertools
+import json
+import logging
+import math
+import os
+import random
+import re
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import unicodedata
+import urllib.parse
+import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -74,7 +101,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 # transformers, peft, openai and pandas are imported where they are used: `--help` and single-piece tests start fast.
-import llguidance, requests, torch, wikipedia
+import llguidance
+import requests
+import torch
+import wikipedia
 from bs4 import BeautifulSoup
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from safetensors import SafetensorError
@@ -86,11 +116,13 @@ import prepare_data  # writes the parquet files (and builds the presets' offline
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
 
-# ======== 2. Config ==================================================================================
+
+# ======== 2. Config ========
 
 def option(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
     return field(default=default, metadata={"help": help})
+
 
 @dataclass
 class Config:
@@ -178,6 +210,7 @@ class Config:
     log_rollouts: int = option(2, "full trajectories written to rollouts.jsonl per step")
     resume: bool = option(False, "continue from the newest checkpoint in --output-dir")
 
+
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(model="tiny", device="cpu", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool",
                   train_file="data/sample/train/combined_train.parquet", val_file="data/sample/val/aime24.parquet",
@@ -200,73 +233,39 @@ PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, 
                                  kl_coef=0.1, sft_steps=24, max_steps=12, eval_every=6, save_every=6, eval_limit=24,
                                  output_dir="runs/scripted-roles")
 
-AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
-CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "row"),
-           "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
-           "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
 
 def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
+
 
 def agent_options(cfg: Config) -> dict:
     """The agent loop's knobs (solve_batch's keyword arguments) from the config."""
     return dict(max_turns=cfg.max_turns, verify=cfg.verify, analysis=cfg.analysis, memory_chars=cfg.memory_chars,
                 tool_workers=cfg.tool_workers, scripted=cfg.scripted_roles)
 
-def build_parser() -> argparse.ArgumentParser:
-    """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
-    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent (see flow_grpo.py).")
-    for f in dataclasses.fields(Config):
-        kind = type(f.default)  # booleans are switches (--no-x turns one off again), the rest take a typed value
-        how = (dict(action=argparse.BooleanOptionalAction) if kind is bool
-               else dict(type=kind, choices=CHOICES.get(f.name), metavar=kind.__name__.upper()))
-        p.add_argument("--" + f.name.replace("_", "-"), default=argparse.SUPPRESS,
-                       help=f"{f.metadata['help']} (default: {f.default!r})", **how)
-    return p
-
-def parse_config(argv: Optional[list[str]] = None) -> Config:
-    """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
-    typed = vars((parser := build_parser()).parse_args(argv))
-    cfg = Config(**{**PRESETS.get(typed.get("preset", ""), {}), **typed})
-    modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
-    if len(modes) > 1:
-        parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve, --plot (got {len(modes)})")
-    known = Config.tools.split(",")  # the default enables every tool there is
-    if not tool_names(cfg) or any(t not in known for t in tool_names(cfg)):
-        parser.error(f"--tools must name one or more of {known}, not {cfg.tools!r}")
-    if cfg.plan_tools and (not cfg.eval or any(t not in tool_names(cfg) for t in cfg.plan_tools.split(","))):
-        parser.error(f"--plan-tools is for --eval, with tools of --tools {tool_names(cfg)}, not {cfg.plan_tools!r}")
-    for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps", "dynamic_sampling"):
-        if getattr(cfg, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
-    if cfg.scripted_roles and (cfg.verify or cfg.analysis or cfg.judge != "rule" or "Web_RAG_Search_Tool" in cfg.tools):
-        parser.error("--scripted-roles has no stand-in for the verifier, the analyst, an LLM judge or the web tool's "
-                     "reader: add --no-verify --no-analysis (and --judge rule, --tools without Web_RAG_Search_Tool)")
-    if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
-        parser.error(f"--clip-ratio-c must be > 1, or 0 for off, not {cfg.clip_ratio_c!r}")
-    for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
-                 "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every", "lora_r"):
-        if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
-            parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
-    return cfg
 
 # Model and tool text reaches terminals and logs: its control characters (ESC, C1's CSI: sequences that rewrite the
 # screen) and bidi overrides (text shown in another order than it reads) are written as escapes.
 _UNSAFE_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
+
 def terminal_safe(text: str) -> str:
     return _UNSAFE_CHARS.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
+
 
 def log(msg: str) -> None:
     """Progress goes to stderr so that stdout stays clean for results (trajectories, accuracy)."""
     print(terminal_safe(msg), file=sys.stderr, flush=True)
 
-# ======== 3. Sampling with log-prob capture ==========================================================
+
+# ======== 3. Sampling with log-prob capture ========
+
 # Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
 # logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
 # penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
 
 USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
+
 
 def usage(**add: float) -> Counter:
     """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
@@ -274,6 +273,7 @@ def usage(**add: float) -> Counter:
     with _USAGE_LOCK:
         USAGE.update(add)
         return USAGE.copy()
+
 
 @dataclass
 class Sample:
@@ -284,24 +284,19 @@ class Sample:
     logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
     text: str = ""  # the action decoded, special tokens dropped
 
+
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends an action: the tokenizer's EOS and the model's generation EOS (Qwen has two)."""
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     return sorted(i for i in ids if i is not None)
 
-def drop_ended_rows(cache, going_R: torch.Tensor, keep_order: bool) -> torch.Tensor:
-    """The batch cut to the K rows still going; returns keep_K, each kept row's old index. keep_order (sampled rows: a
-    seed's draws stay on their rows; other layers: shared KV, indexers) copies; else last rows fill holes, cache cut."""
-    if keep_order or {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}:
-        cache.batch_select_indices(keep_K := going_R.nonzero().squeeze(1))
-        return keep_K
-    K = int(going_R.sum())
-    holes, movers = (~going_R[:K]).nonzero().squeeze(1), going_R[K:].nonzero().squeeze(1) + K
-    for layer in cache.layers:  # transformers' DynamicCache: a (keys, values) pair per layer, batch first
-        layer.keys[holes], layer.values[holes] = layer.keys[movers], layer.values[movers]  # copies the movers only
-        layer.keys, layer.values = layer.keys[:K], layer.values[:K]  # a view: nothing copied
-    return torch.arange(K, device=going_R.device).index_put((holes,), movers)
+
+def render_chat(tokenizer, prompt: str) -> str:
+    """A user message in the model's own chat template, ending where the assistant's reply begins."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
 
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
@@ -360,6 +355,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
                    text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True))
             for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
+
 def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens: int, max_rows: int = 0) -> list:
     """Indices of consecutive prompts decoded together, their KV cache, rows x (longest prompt + new tokens), under
     max_tokens, and max_rows rows (0 = no cap). All in one chunk where they fit: the draws of one call."""
@@ -374,6 +370,7 @@ def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens
         else:
             chunks.append([i])
     return chunks
+
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
@@ -405,7 +402,8 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
     logp_BA = logp_BAV.gather(-1, ids_BA[:, :, None]).squeeze(-1)
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
 
-# ======== 4. Group advantages ========================================================================
+
+# ======== 4. Group advantages ========
 
 def group_members(group_ids) -> list[list[int]]:
     """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
@@ -413,6 +411,7 @@ def group_members(group_ids) -> list[list[int]]:
     for i, g in enumerate(group_ids.tolist() if hasattr(group_ids, "tolist") else group_ids):
         members.setdefault(g, []).append(i)
     return list(members.values())
+
 
 def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """Reward minus the group's mean, divided by the group's unbiased std (scale='group': GRPO, verl), the std of ALL
@@ -429,12 +428,18 @@ def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6
             adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
     return adv_B
 
+
 def zero_std_frac(rewards, group_ids) -> float:
     """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
     r, groups = [float(x) for x in rewards], group_members(group_ids)
     return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
 
-# ======== 5. The clipped-ratio loss with k3 KL =======================================================
+
+# ======== 5. The clipped-ratio loss with k3 KL ========
+
+AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
+
+
 # Every aggregation is a weighted sum of per-token losses; only the weights differ. Weights computed for a whole
 # minibatch FIRST, then sliced, make gradient accumulation exact: micro-batch losses add up to the minibatch loss.
 
@@ -457,6 +462,7 @@ def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None)
             turns_B[idx] = len(idx)  # T_i for the trajectory of each row
         return per_row_BA / (turns_B[:, None] * len(trajs))
     raise ValueError(f"agg must be one of {AGGREGATIONS}, not {agg!r}")
+
 
 def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: torch.Tensor, adv_B: torch.Tensor,
               mask_BA: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.3,
@@ -491,11 +497,13 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
                  "tokens": int(mask_BA.sum().item())}
     return loss, stats
 
-# ======== 6. The update: minibatches, exact gradient accumulation, clip, optimizer step ==============
+
+# ======== 6. The update ========
 
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
     return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+
 
 @contextlib.contextmanager
 def adapter_weights(model, weights: dict):
@@ -508,6 +516,7 @@ def adapter_weights(model, weights: dict):
     finally:
         set_peft_model_state_dict(model, trained)
 
+
 @dataclass(kw_only=True)
 class Row(Sample):
     """One planner turn, ready for the update: its Sample (trained on its OWN prompt, the state s_t) and more."""
@@ -516,11 +525,13 @@ class Row(Sample):
     old_logp: Optional[torch.Tensor] = None  # [A] pi_old; None: one pass only, so the update's own forward IS pi_old
     ref_logp: Optional[torch.Tensor] = None  # [A] pi_ref; None: no KL term
 
+
 def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """B 1-D tensors -> ([B, A] right-padded with value, [B, A] bool mask of the real entries)."""
     out_BA = torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
     len_B = torch.tensor([len(t) for t in tensors], device=out_BA.device)
     return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
+
 
 def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
     """The padded tokens action_logprobs runs for these rows: each DISTINCT prompt once, then every row's action; with
@@ -528,6 +539,7 @@ def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
     P, A = max(len(r.prompt_ids) for r in rows), max(len(r.action_ids) for r in rows)
     U = len(rows) if whole_rows else len({tuple(r.prompt_ids.tolist()) for r in rows})  # prompts run
     return U * P + len(rows) * A
+
 
 def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> list[list[int]]:
     """Row indices of each forward/backward: at most max_rows rows and max_tokens padded tokens (0 = no token cap; a
@@ -549,6 +561,7 @@ def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> lis
         return plain
     return pack(sorted(range(len(rows)), key=lambda i: (-len(rows[i].prompt_ids), rows[i].prompt_ids.tolist())))
 
+
 @torch.no_grad()
 def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_size: int, attr: str,
                   policy=contextlib.nullcontext(), max_tokens: int = 0) -> None:
@@ -561,6 +574,7 @@ def fill_logprobs(model, rows: list[Row], *, temperature: float, micro_batch_siz
                                     temperature=temperature)
             for r, logp_A in zip(chunk, logps):
                 setattr(r, attr, logp_A.cpu())
+
 
 def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Optional[float], dict]:
     """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
@@ -586,6 +600,7 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
         sums.update({k: st[k] * st["tokens"] for k in keys}, tokens=st["tokens"])
     return total, {k: sums[k] / max(1, sums["tokens"]) for k in keys}
 
+
 def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[list[Row]]:
     """The rows of each optimizer step of one pass: trajectories shuffled by their own RNG (resumable, no global
     state) and dealt into num_minibatches groups; a trajectory's rows stay together and in order."""
@@ -594,10 +609,12 @@ def minibatches(rows: list[Row], cfg: Config, step: int, epoch: int) -> list[lis
     n_mb = max(1, min(cfg.num_minibatches, len(trajs)))
     return [[r for r in rows if r.traj_id in chosen] for chosen in (set(trajs[k::n_mb]) for k in range(n_mb))]
 
+
 def has_signal(rows: list[Row], cfg: Config) -> bool:
     """Whether these rows give a gradient: a non-zero advantage, or a KL term. Without either the loss is exactly 0,
     yet an optimizer step would still move the weights on Adam's stale momentum: such a minibatch is skipped."""
     return cfg.kl_coef > 0 or any(r.advantage != 0 for r in rows)
+
 
 def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int, ref_weights: Optional[dict] = None) -> None:
     """pi_old and pi_ref (for a KL term) of every row, no forward pass the update does not need. pi_old: 'captured' =
@@ -616,6 +633,7 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int, ref_weights
         if cfg.kl_coef > 0:  # pi_ref, the policy RL starts from: the base (adapter off), or the warm start's adapter
             ref = adapter_disabled(model) if ref_weights is None else adapter_weights(model, ref_weights)
             fill_logprobs(model, mb, attr="ref_logp", policy=ref, **kw)
+
 
 def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> dict:
     """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
@@ -642,6 +660,7 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
             "no_signal_minibatches": no_signal, "updates": sums["updates"],
             "loss": sums["loss"] / done if sums["updates"] else float("nan")}
 
+
 def make_optimizer(model, cfg: Config):
     """AdamW on the LoRA weights only, with linear warmup then cosine decay to 10% over max_steps."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -653,7 +672,9 @@ def make_optimizer(model, cfg: Config):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
-# ======== 7. LLM engines: one interface that returns text, or a validated pydantic object ============
+
+# ======== 7. The plan format ========
+
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
 
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
@@ -681,12 +702,509 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
                     return schema.model_validate(o)
     return None
 
+
 def schema_instruction(schema: type[BaseModel]) -> str:
     """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
     spec = schema.model_json_schema()
     lines = [f'- "{k}" ({v.get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
              f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
+
+
+class NextStep(BaseModel):
+    """The planner's action a_t: THE text Flow-GRPO trains (unconstrained: a small model skips the optional fields).
+    The tool first: chosen before any free text, the token limit cannot cut it, and greedy evaluation chooses in the
+    state sampling does, not after an exact copy of the question that sampling rarely makes."""
+    tool_name: str = Field(description="exactly one tool name from the list")
+    sub_goal: str = Field(description="what this one step must achieve")
+    context: str = Field(default="", description="facts from the question and memory that the tool needs")
+    justification: str = Field(default="", description="why this tool is the right next step")
+
+
+# The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
+
+class QueryAnalysis(BaseModel):
+    """First step: what the question asks and which skills and tools may help."""
+    concise_summary: str = Field(description="the question in one sentence")
+    required_skills: str = Field(description="skills needed to answer it")
+    relevant_tools: str = Field(description="which of the available tools may help, and why")
+    additional_considerations: str = Field(default="", description="traps, units, answer format")
+
+
+class Verification(BaseModel):
+    """The verifier's verdict after each step."""
+    analysis: str = Field(description="is the question fully answered by the memory? what is missing?")
+    stop_signal: bool = Field(description="true to STOP and answer now, false to CONTINUE")
+
+
+# ======== 8. Memory ========
+
+def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
+    """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
+    strings cut): one step must not fill the planner's context, nor break json.dumps (no integers over 4,300 digits)."""
+    if isinstance(obj, int) and obj.bit_length() > min(3 * max_chars, 14_000):  # 3 bits ~ a digit
+        return f"(an integer of {obj.bit_length()} bits)"
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return obj if not (isinstance(obj, float) and not math.isfinite(obj)) else str(obj)
+    if isinstance(obj, (dict, list, tuple, set)):
+        more = [f"... {len(obj) - max_items} more"] if len(obj) > max_items else []
+        if isinstance(obj, dict):
+            kept = list(obj.items())[:max_items] + [("...", m) for m in more]
+            return {str(k): json_safe(v, max_chars, max_items) for k, v in kept}
+        return [json_safe(v, max_chars, max_items) for v in list(obj)[:max_items]] + more
+    text = obj if isinstance(obj, str) else repr(obj)
+    return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
+
+
+@dataclass
+class Memory:
+    """What the agent has done so far: one record per step, shown to the planner and the verifier."""
+    max_chars: int = 2000  # per result: long tool outputs must not crowd the prompt
+    steps: list[dict] = field(default_factory=list)
+
+    def add(self, tool_name: str, sub_goal: str, command: Any, result: Any) -> None:
+        self.steps.append({"tool_name": tool_name, "sub_goal": sub_goal,
+                           "command": json_safe(command, self.max_chars), "result": json_safe(result, self.max_chars)})
+
+    def to_text(self) -> str:
+        steps = {f"Step {i + 1}": s for i, s in enumerate(self.steps)}
+        return json.dumps(steps, indent=1, ensure_ascii=False) if steps else "(no steps yet)"
+
+    def findings(self, max_chars: int = 500) -> str:
+        """What earlier steps found (page summaries, program outputs, answers) as plain text, for Tool.reads_memory."""
+        texts = []
+        for step in self.steps:
+            r = step["result"]
+            found = [p.get("summary", "") for p in r.get("pages", [])] + [r.get("stdout", "")] \
+                if isinstance(r, dict) else [r]
+            texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
+        return " ".join(texts)[-max_chars:]
+
+
+# ======== 9. The agent loop ========
+
+# solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
+# rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
+
+def describe_tools(tools: dict) -> str:
+    return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
+
+
+def analysis_prompt(question: str, tools: dict) -> str:
+    return (f"You are the analyst of a problem-solving agent. Study the question before any tool is used.\n\n"
+            f"Question: {question}\n\nAvailable tools:\n{describe_tools(tools)}")
+
+
+def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
+    """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
+    included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
+    return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
+            f"Question: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
+            f"Available tools:\n{describe_tools(tools)}\n\nMemory of previous steps:\n{memory.to_text()}\n\n"
+            f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
+            f"can reach now; build on the memory instead of repeating a step that already worked."
+            + schema_instruction(NextStep))
+
+
+def executor_prompt(question: str, plan: NextStep, tool) -> str:
+    # The question last, nearest the reply: a small executor then copies the task into the call
+    return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
+            f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
+            f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
+
+
+def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
+    return (f"You are the verifier of a problem-solving agent. Decide whether the memory below already "
+            f"holds enough verified information to answer the question correctly.\n\nQuestion: {question}\n\n"
+            + (f"Query analysis: {analysis}\n\n" if analysis else "") + f"Memory:\n{memory.to_text()}")
+
+
+def answer_prompt(question: str, memory: Memory) -> str:
+    # Steps first (else a small model lists steps of its own); findings again in plain words (else it echoes 12 * 34)
+    found = memory.findings()
+    return (f"Steps taken so far:\n{memory.to_text()}\n\n" + (f"They found: {found}\n\n" if found else "") +
+            f"Question: {question}\nAnswer the question using the steps above. Reason briefly, then give only "
+            f"the final answer inside <answer></answer>.")
+
+
+def analyse(questions: list[str], frozen: Engine, tools: dict) -> list[str]:
+    """The frozen analyst's notes per question, as the JSON text the planner reads ("(no analysis)" if unparsed)."""
+    analyses = frozen.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
+    return [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]
+
+
+@dataclass
+class Turn:
+    """One planner turn and everything that followed from it."""
+    plan_text: str  # the planner's raw output: the action a_t
+    plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
+    call: Optional[dict]  # the tool call that ran: {"tool_name", "arguments"} (the tool validated them)
+    result: Any  # what the tool returned, or {"error": ...}
+    verdict: Optional[Verification] = None  # the verifier's decision after this turn (None: unreadable or not asked)
+    planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
+
+
+@dataclass
+class AgentState:
+    """A trajectory in progress."""
+    question: str
+    memory: Memory
+    analysis: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    done: bool = False  # the verifier said STOP: no more turns
+    final_output: str = ""  # the generator's final text, with <answer>...</answer>
+    stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
+
+
+@contextlib.contextmanager
+def timed(timings: Optional[dict], key: str):
+    """Add the block's seconds to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]."""
+    t0, before = time.perf_counter(), usage()
+    yield
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+        for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
+            timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
+
+
+def write_calls(live: list[AgentState], plans: list, frozen: Engine, tools: dict, timings: Optional[dict],
+                scripted: bool = False) -> list:
+    """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
+    Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them.
+    scripted: the rule-based executor (scripted_call) instead."""
+    calls: list[Optional[dict]] = [None] * len(live)
+    todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
+    if scripted:
+        return [scripted_call(plans[i], tools[plans[i].tool_name]) if i in todo else None for i in range(len(live))]
+    for name in sorted({plans[i].tool_name for i in todo}):
+        rows = [i for i in todo if plans[i].tool_name == name]
+        with timed(timings, "fixed"):
+            made = frozen.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
+                                  schema=tools[name].input_model)
+        for i, c in zip(rows, made):
+            calls[i] = c and c.model_dump()
+    return calls
+
+
+def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory: Memory) -> tuple[Optional[dict], Any]:
+    """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
+    if plan is None:
+        return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
+    if plan.tool_name not in tools:
+        return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
+    if args is None:
+        return None, {"error": "the tool call did not fit the tool's input schema"}
+    command = {"tool_name": plan.tool_name, "arguments": args}
+    try:
+        tool = tools[plan.tool_name]  # __call__ validates the arguments
+        return command, tool(args, memory.findings()) if getattr(tool, "reads_memory", False) else tool(args)
+    except torch.cuda.OutOfMemoryError:  # not the tool's fault: the step stops, the run is saved (train)
+        raise
+    except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
+        return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+
+def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], frozen: Engine, tools: dict,
+                max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
+                analysis: bool = True, timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
+    """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis;
+    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools)."""
+    states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
+    with timed(timings, "fixed"):
+        for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
+            st.analysis = text
+            st.stats["parse_fail:analysis"] += text == "(no analysis)"
+    slots = threading.Semaphore(max(1, tool_workers))
+    for turn in range(1, max_turns + 1):
+        live = [st for st in states if not st.done]
+        if not live:
+            break
+        # 1) PLAN: one batched call for every live trajectory - the only trained step.
+        with timed(timings, "planner"):
+            outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
+                               for st in live])
+        texts = [getattr(o, "text", o) for o in outputs]
+        plans = [parse_structured(t, NextStep) for t in texts]
+        # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
+        calls = write_calls(live, plans, frozen, tools, timings, scripted)
+        # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
+        with timed(timings, "tools"):
+            ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
+                                 slots, frozen.phase_timeout_s, "tool calls")
+        ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
+                     {"error": f"no result within {frozen.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
+        # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
+        for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
+            st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
+            st.turns.append(Turn(plan_text=text, plan=plan, call=command, result=result, planner_output=out))
+            st.stats["parse_fail:plan"] += plan is None
+            st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
+            st.stats["tool_error"] += command is not None and isinstance(result, dict) and bool(result.get("error"))
+        # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
+        if turn == max_turns or not verify:  # (after the last turn a verdict would change nothing)
+            continue
+        with timed(timings, "fixed"):
+            verdicts = frozen.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
+                                      schema=Verification)
+        for st, v in zip(live, verdicts):
+            st.turns[-1].verdict = v
+            st.stats["parse_fail:verdict"] += v is None
+            st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
+    # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
+    with timed(timings, "fixed"):
+        finals = ([scripted_answer(st.memory) for st in states] if scripted else
+                  frozen.generate([answer_prompt(st.question, st.memory) for st in states]))
+    for st, text in zip(states, map(str.strip, finals)):
+        st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
+    return states
+
+
+def format_trajectory(st: AgentState) -> str:
+    """A readable trajectory (--ask, rollouts.jsonl); a VERIFIER line where one was asked (not last, --no-verify)."""
+    lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
+    for i, t in enumerate(st.turns, 1):
+        verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
+        lines += [f"--- turn {i} ---",
+                  f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}",
+                  f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}",
+                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}"]
+        lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) and st.stats["parse_fail:verdict"] else []
+    return "\n".join(lines + [f"FINAL: {st.final_output}"])
+
+
+# ======== 10. Rollout ========
+
+# One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
+# model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
+# late, would switch the adapter off under the planner's sampling or the update (base log-probs, no LoRA gradient).
+MODEL_LOCK = threading.Lock()
+
+
+def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine, tools: dict, *, group_size: int,
+            timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
+    """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
+    def planner(prompts: list[str]) -> list[Sample]:
+        rendered = [render_chat(tokenizer, p) for p in prompts]
+        chunks = decode_chunks(tokenizer, rendered, cfg.max_new_tokens, cfg.rollout_tokens)
+        with MODEL_LOCK:  # a late frozen-role call waits: these samples are the policy's, adapter on
+            return [s for idx in chunks for s in sample_actions(
+                model, tokenizer, [rendered[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature, share_prefill=share_prefill)]
+    model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
+    return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
+                       tools=tools, **agent_options(cfg), timings=timings)
+
+
+def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
+               unit: str = "trajectory") -> list[Row]:
+    """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
+    unit='row' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
+    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
+    if unit == "row":
+        adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
+    else:
+        adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
+    return [Row(**vars(s), advantage=a, traj_id=i) for (i, s), a in zip(turns, adv_B.tolist())]
+
+
+# ======== 11. Reward ========
+
+def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None,
+                  sources: Optional[list[str]] = None) -> tuple[list[float], int]:
+    """Rewards, and how many fell back to the rule: the engine's verdict where it gives one, else the rule."""
+    aliases = [ALIASES_BY_SOURCE.get(s) for s in sources or [""] * len(truths)]  # None: rule_reward guesses
+    rule = [rule_reward(a, t, al) for a, t, al in zip(answers, truths, aliases)]
+    if engine is None:
+        return rule, 0
+    verdicts = engine.generate([judge_prompt(q, a, t, al) for q, a, t, al in zip(questions, answers, truths, aliases)],
+                               schema=JudgeVerdict)
+    return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
+
+
+# ======== 12. One training step ========
+
+def rollout_and_judge(model, tokenizer, batch: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict,
+                      cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
+    """G trajectories per question of `batch` (trajectory i answers batch[i // G]), their rewards, judge fallbacks."""
+    G, questions = cfg.group_size, [b["question"] for b in batch]
+    states = rollout(model, tokenizer, questions, cfg, frozen, tools, group_size=G, timings=timings)
+    rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
+                                       [b["answer"] for b in batch for _ in range(G)], judge,
+                                       [b.get("source") for b in batch for _ in range(G)])
+    return states, rewards, fallbacks
+
+
+def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], frozen: Engine, judge: Optional[Engine],
+                  tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
+    """DAPO's dynamic sampling (--dynamic-sampling N): groups of equal rewards are dropped, and up to N more batches
+    (their own seeded RNG: resumable) rolled out until B groups with variance are kept (N = 0: all are kept)."""
+    G, kept_states, kept_rewards, c = cfg.group_size, [], [], Counter()
+    for attempt in range(cfg.dynamic_sampling + 1):
+        if attempt:
+            draw = random.Random(f"dynamic-{cfg.seed}-{step}-{attempt}")
+            batch = [data_rows[i] for i in draw.sample(range(len(data_rows)), min(cfg.batch_size, len(data_rows)))]
+        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
+        c.update(rollouts=1, groups=len(batch), flat_groups=zero_std_frac(rewards, [i // G for i in range(len(states))])
+                 * len(batch), judge_fallbacks=fallbacks, trajectories=len(states), reward_sum=sum(rewards))
+        for g in range(0, len(states), G):
+            if cfg.dynamic_sampling == 0 or max(rewards[g:g + G]) > min(rewards[g:g + G]):
+                kept_states += states[g:g + G]
+                kept_rewards += rewards[g:g + G]
+        if len(kept_states) >= cfg.batch_size * G:
+            break
+    n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
+    return kept_states[:n], kept_rewards[:n], c
+
+
+def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen: Engine, judge: Optional[Engine],
+               tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None,
+               ref_weights: Optional[dict] = None) -> tuple[dict, list[AgentState], list[float]]:
+    """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
+    reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
+    engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
+    G, timings, t0, phases = cfg.group_size, {}, time.perf_counter(), ("planner", "fixed", "tools")
+    before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
+    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
+                                       timings)
+    rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)
+    t1, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
+    with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
+        fill_old_and_ref(model, rows, cfg, step, ref_weights)
+        upd = update_policy(model, optimizer, rows, cfg, step)
+    scheduler.step()
+    metrics = {"step": step, "reward_mean": c["reward_sum"] / max(1, c["trajectories"]), **upd, "rows": len(rows),
+               "lr": lr, "zero_std_frac": c["flat_groups"] / max(1, c["groups"]), "rollouts": c["rollouts"],
+               "kept_groups": len(states) // G, **trajectory_metrics(states, tools),
+               "judge_fallbacks": c["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
+               "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
+               **{f"time_{k}_s": timings.get(k, 0.0) for k in phases},
+               **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit") for k in phases},
+               "engine_requests": sum(e.requests for e in engines) - before[0],
+               "engine_failures": sum(e.failures for e in engines) - before[1]}
+    return metrics, states, rewards
+
+
+# ======== 13. The training loop ========
+
+def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
+    """Cross-entropy of the actions given their prompts (ACTION tokens with EOS, / n_tokens) and each one's log-prob."""
+    logp = action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)
+    return -torch.cat(logp).sum() / n_tokens, torch.stack([x.detach().sum() for x in logp]).tolist()  # one sync
+
+
+def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
+    """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
+    rollout prompts -> {"tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform over tools,
+    none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too, after one real step with a
+    tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed to 0."""
+    names, kinds = list(tools), [r.get("source") for r in rows]
+    order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, losses = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay), []
+    model.train()
+    for step in range(1, cfg.sft_steps + 1):
+        pool = [rows[i]["question"] for i in batch_indices(kinds, order, step, cfg.batch_size)]
+        texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
+        states = [(q, t, Memory(), 1) for q, t in zip(pool, texts)]  # (question, analysis, memory, turn)
+        if cfg.max_turns > 1:
+            draw = random.Random(f"sft-{cfg.seed}-{step}")  # (its own stream: the global ones stay as they were)
+            plans = [json.dumps({"tool_name": draw.choice(names), "sub_goal": q}) for q in pool]
+            firsts = solve_batch(pool, planner=lambda _: plans, frozen=frozen, tools=tools,
+                                 **{**agent_options(cfg), "max_turns": 1, "analysis": False})
+            states += [(q, t, st.memory, 2) for q, t, st in zip(pool, texts, firsts)]
+        pairs = [(*state, name) for state in states for name in names]  # B x (number of tools) rows, per turn
+        prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, m, turn, cfg.max_turns)),
+                                add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+                      for q, t, m, turn, _ in pairs]
+        actions = [torch.tensor(tokenizer(json.dumps({"tool_name": name, "sub_goal": q}), add_special_tokens=False)
+                                ["input_ids"] + [tokenizer.eos_token_id]) for q, _, _, _, name in pairs]
+        total, n_tokens, seq_logp = 0.0, sum(len(a) for a in actions), []
+        optimizer.zero_grad(set_to_none=True)
+        for i in range(0, len(pairs), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
+            loss, rows_logp = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
+            loss.backward()
+            total, seq_logp = total + loss.item(), seq_logp + rows_logp
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # linear decay to 0
+        optimizer.step()
+        losses.append(total)
+        # P(tool | prompt, sub-goal) averaged over the questions, before the update: RL never learns a rarely tried tool
+        choice = torch.tensor(seq_logp).view(-1, len(names)).softmax(1).mean(0).tolist()
+        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}; tool choice "
+            + ", ".join(f"{n.split('_')[0]} {p:.2f}" for n, p in zip(names, choice)))
+    return losses
+
+
+def train(cfg: Config) -> Path:
+    """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
+    torch.manual_seed(cfg.seed)
+    device, out_dir = pick_device(cfg), Path(cfg.output_dir)
+    data_rows = prepare_data.load_questions(cfg.train_file, kinds=cfg.kinds)
+    kinds = [r["source"] for r in data_rows]  # batches deal them in turn (batch_indices)
+    digest = hashlib.sha256(json.dumps(data_rows, default=str).encode()).hexdigest()
+    train_data = f"{len(data_rows)} rows, sha256 {digest[:12]}"
+    last = resume_point(out_dir, cfg, train_data)
+    try:  # held while this process lives: two runs in one folder would mix their logs
+        lock = (out_dir / ".lock").open("w")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
+    except OSError as e:  # an existing folder on a read-only disk, or another user's (before the model loads)
+        raise SystemExit(f"error: cannot write in --output-dir {out_dir}: {e.strerror}") from None
+    model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
+    optimizer, scheduler = make_optimizer(model, cfg)
+    start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        trim_jsonl(out_dir / name, start if start else -1)  # (the step-0 evaluation is written again)
+    if last and start >= cfg.max_steps:
+        log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
+    if cfg.sft_steps > 0 and last is None:
+        sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
+        last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
+    ref_weights = warm_start_weights(out_dir, cfg)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
+        f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
+    eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds) if cfg.eval_every else []
+    held_out = functools.partial(held_out_metrics, model, tokenizer, frozen, tools, judge, eval_rows, cfg)
+    if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
+        with open(out_dir / "metrics.jsonl", "a") as mf:
+            mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
+    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
+            open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf, \
+            tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
+                 dynamic_ncols=True) as bar:
+        for step in bar:
+            batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
+            moved, rng = optimizer_steps(optimizer), rng_state()  # (after an out-of-memory error: as before the step)
+            try:
+                metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
+                                                      tools, cfg, step, data_rows, ref_weights)
+            except torch.cuda.OutOfMemoryError:
+                stop_out_of_memory(out_dir, step, last, optimizer_steps(optimizer) != moved, rng, model, optimizer,
+                                   scheduler, cfg, train_data)
+            if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                metrics.update(held_out())
+            mf.write(json.dumps(metrics) + "\n")
+            rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
+                          for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
+            if 0 < metrics["engine_requests"] == metrics["engine_failures"]:  # the server is down: stop, do not save
+                raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
+                                 f"(see the lines above); stopped - once the server is back, continue with --resume")
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
+                            kl=f"{metrics['kl']:.4f}")
+            if step % cfg.save_every == 0 or step == cfg.max_steps or interrupt.requested:
+                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg, train_data)
+            if interrupt.requested:
+                log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
+                break
+    return last
+
+
+# ======== PART II ========
+
+
+# ======== 14. LLM engines ========
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -711,6 +1229,7 @@ class Engine:
     def _complete(self, prompts: list[str], max_tokens: int, schema: Optional[type[BaseModel]]) -> list[str]:
         raise NotImplementedError
 
+
 def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore] = None,
                      deadline: float = math.inf) -> concurrent.futures.Future:
     """fn() in a daemon thread once one of `slots` is free (None if that is after `deadline`, a time.monotonic()):
@@ -724,6 +1243,7 @@ def in_daemon_thread(fn: Callable[[], Any], slots: Optional[threading.Semaphore]
                 future.set_exception(e)
     threading.Thread(target=work, daemon=True).start()
     return future
+
 
 def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semaphore, timeout_s: float, what: str,
                    progress_s: float = 30.0) -> list:
@@ -740,6 +1260,7 @@ def run_in_threads(fn: Callable[[Any], Any], items: list, slots: threading.Semap
         if f.done() and isinstance(f.exception(), torch.cuda.OutOfMemoryError):
             raise f.exception()
     return [f.result() if f.done() and not f.exception() else None for f in futures]
+
 
 class OpenAIEngine(Engine):
     """Any OpenAI-compatible chat endpoint (vLLM, llama.cpp, OpenAI). A refusal of response_format steps MODES down
@@ -807,60 +1328,20 @@ class OpenAIEngine(Engine):
             self._logged.add(kind)
             log(f"[engine] {self.base_url}: {what[:300]} (later ones of this kind are only counted)")
 
-def render_chat(tokenizer, prompt: str) -> str:
-    """A user message in the model's own chat template, ending where the assistant's reply begins."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
 
-# One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
-# model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
-# late, would switch the adapter off under the planner's sampling or the update (base log-probs, no LoRA gradient).
-MODEL_LOCK = threading.Lock()
+def drop_ended_rows(cache, going_R: torch.Tensor, keep_order: bool) -> torch.Tensor:
+    """The batch cut to the K rows still going; returns keep_K, each kept row's old index. keep_order (sampled rows: a
+    seed's draws stay on their rows; other layers: shared KV, indexers) copies; else last rows fill holes, cache cut."""
+    if keep_order or {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}:
+        cache.batch_select_indices(keep_K := going_R.nonzero().squeeze(1))
+        return keep_K
+    K = int(going_R.sum())
+    holes, movers = (~going_R[:K]).nonzero().squeeze(1), going_R[K:].nonzero().squeeze(1) + K
+    for layer in cache.layers:  # transformers' DynamicCache: a (keys, values) pair per layer, batch first
+        layer.keys[holes], layer.values[holes] = layer.keys[movers], layer.values[movers]  # copies the movers only
+        layer.keys, layer.values = layer.keys[:K], layer.values[:K]  # a view: nothing copied
+    return torch.arange(K, device=going_R.device).index_put((holes,), movers)
 
-# The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
-TINY_CORPUS = """You are the planner of a problem-solving agent. Choose the single best next step. Question: What is
-the value of the expression? Query analysis: the question asks for an exact number; a tool can compute it. Tools:
-Python_Coder_Tool runs a short Python program in a sandbox, Generalist_Solution_Generator_Tool answers a sub-task by
-step-by-step reasoning, Wikipedia_RAG_Search_Tool searches English Wikipedia, Web_RAG_Search_Tool reads a URL.
-Memory of previous steps: Step 1: {"tool_name": "Python_Coder_Tool", "sub_goal": "compute the product", "command":
-{"arguments": {"query": "print(37 * 91)"}}, "result": {"stdout": "3367", "error": null}} Reply with exactly one
-JSON object and nothing else. Its fields: "justification" (string), "context", "sub_goal", "tool_name",
-"concise_summary", "required_skills", "relevant_tools", "additional_considerations", "analysis", "stop_signal":
-true, false. You are the executor, the verifier. Is the memory enough to answer the question correctly? Give only
-the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
-"""
-
-# --model qwen2.5-1.5b-shape[:LAYERS]: random weights in Qwen2.5-1.5B-Instruct's public shape (DESIGN.md), the tiny
-# tokenizer: its memory and time measured without the Hub (--benchmark), LAYERS fewer layers to extrapolate from on CPU.
-SHAPE_MODEL, QWEN_1_5B = "qwen2.5-1.5b-shape", dict(
-    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-    vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
-
-def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes):
-    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
-    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real.
-    sizes: Qwen2Config sizes in place of the tiny ones (QWEN_1_5B); the tokenizer's ids stay below 2,048."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-    specials, core = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # from the 256 bytes: any text encodes
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator([TINY_CORPUS] * 4, trainer=trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))  # deterministic: the same text gives the same merges
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=specials[1:])
-    tokenizer.chat_template = (  # ChatML, as Qwen's instruct models: prompts shaped like the real one's
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tiny = dict(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
-    config = Qwen2Config(**{**tiny, **sizes}, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # as from_pretrained: RoPE frequencies in fp32
-    return model.eval(), tokenizer  # generation_config takes eos and pad from the config
 
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     """llguidance's grammar for `schema`: compact JSON, no extra keys, strings and lists capped (else a model that
@@ -873,6 +1354,7 @@ def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
         return node
     spec = json.loads(json.dumps(schema.model_json_schema()), object_hook=cap)
     return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False})
+
 
 def string_slots(schema: type[BaseModel]) -> int:
     """How many strings a JSON under `schema` may hold (a list's counted 8 times: json_grammar's maxItems)."""
@@ -887,15 +1369,18 @@ def string_slots(schema: type[BaseModel]) -> int:
         return 8 * inner if node.get("type") == "array" else inner
     return max(1, count(schema.model_json_schema()))
 
+
 @functools.cache
 def schema_matcher(ll_tokenizer, schema: type[BaseModel], max_chars: int) -> llguidance.LLMatcher:
     """A matcher never advanced, for rows to deep_copy: the copies share the lexer states that it builds lazily (and
     keep them from call to call), instead of each compiling the grammar and building the same states again."""
     return llguidance.LLMatcher(ll_tokenizer, json_grammar(schema, max_chars))
 
+
 def argmax_rows(x_BV: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal maxima); on CPU numpy's, which is vectorised where torch's is not."""
     return (torch.from_numpy(x_BV.float().numpy().argmax(1)) if x_BV.device.type == "cpu" else x_BV.argmax(1)).tolist()
+
 
 class SchemaMask:
     """The frozen roles' greedy choice for sample_actions: row i may only emit tokens that keep its text a prefix of
@@ -934,6 +1419,7 @@ class SchemaMask:
             if i in self.matchers:
                 self.matchers[i].consume_token(top[r])
         return torch.tensor(top, device=logits_RV.device)
+
 
 class LocalEngine(Engine):
     """Greedy decoding on the policy's weights, in sample_actions' loop with SchemaMask choosing (a row leaves the batch
@@ -999,82 +1485,9 @@ class LocalEngine(Engine):
                          for r, s in enumerate(samples)]
         return outs
 
-# ======== 8. Structured outputs: what each role must answer ==========================================
-# The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
 
-class QueryAnalysis(BaseModel):
-    """First step: what the question asks and which skills and tools may help."""
-    concise_summary: str = Field(description="the question in one sentence")
-    required_skills: str = Field(description="skills needed to answer it")
-    relevant_tools: str = Field(description="which of the available tools may help, and why")
-    additional_considerations: str = Field(default="", description="traps, units, answer format")
+# ======== 15. Sandbox ========
 
-class NextStep(BaseModel):
-    """The planner's action a_t: THE text Flow-GRPO trains (unconstrained: a small model skips the optional fields).
-    The tool first: chosen before any free text, the token limit cannot cut it, and greedy evaluation chooses in the
-    state sampling does, not after an exact copy of the question that sampling rarely makes."""
-    tool_name: str = Field(description="exactly one tool name from the list")
-    sub_goal: str = Field(description="what this one step must achieve")
-    context: str = Field(default="", description="facts from the question and memory that the tool needs")
-    justification: str = Field(default="", description="why this tool is the right next step")
-
-class Verification(BaseModel):
-    """The verifier's verdict after each step."""
-    analysis: str = Field(description="is the question fully answered by the memory? what is missing?")
-    stop_signal: bool = Field(description="true to STOP and answer now, false to CONTINUE")
-
-class TitleSelection(BaseModel):
-    """Wikipedia tool: which search results to read."""
-    titles: list[str] = Field(description="up to 3 page titles copied exactly from the candidate list")
-
-class JudgeVerdict(BaseModel):
-    """LLM judge: is the final answer equivalent to the ground truth?"""
-    analysis: str = Field(description="compare the two answers briefly")
-    correct: bool = Field(description="true if the answer is equivalent to the ground truth")
-
-# ======== 9. Memory ==================================================================================
-
-def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
-    """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
-    strings cut): one step must not fill the planner's context, nor break json.dumps (no integers over 4,300 digits)."""
-    if isinstance(obj, int) and obj.bit_length() > min(3 * max_chars, 14_000):  # 3 bits ~ a digit
-        return f"(an integer of {obj.bit_length()} bits)"
-    if obj is None or isinstance(obj, (bool, int, float)):
-        return obj if not (isinstance(obj, float) and not math.isfinite(obj)) else str(obj)
-    if isinstance(obj, (dict, list, tuple, set)):
-        more = [f"... {len(obj) - max_items} more"] if len(obj) > max_items else []
-        if isinstance(obj, dict):
-            kept = list(obj.items())[:max_items] + [("...", m) for m in more]
-            return {str(k): json_safe(v, max_chars, max_items) for k, v in kept}
-        return [json_safe(v, max_chars, max_items) for v in list(obj)[:max_items]] + more
-    text = obj if isinstance(obj, str) else repr(obj)
-    return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
-
-@dataclass
-class Memory:
-    """What the agent has done so far: one record per step, shown to the planner and the verifier."""
-    max_chars: int = 2000  # per result: long tool outputs must not crowd the prompt
-    steps: list[dict] = field(default_factory=list)
-
-    def add(self, tool_name: str, sub_goal: str, command: Any, result: Any) -> None:
-        self.steps.append({"tool_name": tool_name, "sub_goal": sub_goal,
-                           "command": json_safe(command, self.max_chars), "result": json_safe(result, self.max_chars)})
-
-    def to_text(self) -> str:
-        steps = {f"Step {i + 1}": s for i, s in enumerate(self.steps)}
-        return json.dumps(steps, indent=1, ensure_ascii=False) if steps else "(no steps yet)"
-
-    def findings(self, max_chars: int = 500) -> str:
-        """What earlier steps found (page summaries, program outputs, answers) as plain text, for Tool.reads_memory."""
-        texts = []
-        for step in self.steps:
-            r = step["result"]
-            found = [p.get("summary", "") for p in r.get("pages", [])] + [r.get("stdout", "")] \
-                if isinstance(r, dict) else [r]
-            texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
-        return " ".join(texts)[-max_chars:]
-
-# ======== 10. Tools ==================================================================================
 # A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
 # learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
@@ -1128,6 +1541,7 @@ exec 2>/dev/null; cd /; umount -l "$run"; rmdir "$run"; for cg in $cgs; do  # (t
   for i in $(seq 200); do rmdir "$cg" && break; sleep 0.005; done; done; exit $rc  # a killed task leaves late
 """
 
+
 def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
     """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits, runs the
     snippet from code_fd (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
@@ -1158,8 +1572,10 @@ def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
         pass
     os.write(int(status_fd), str(reaped[1]).encode())
 
+
 # Read once, at import: inspect reads the file on disk, which its user may be editing while a run goes on.
 _SANDBOX_INIT_SOURCE = f"import sys\n{inspect.getsource(_sandbox_init)}_sandbox_init(*sys.argv[1:])"
+
 
 def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     """Command prefix for the namespaces of the table (joined to `cgroups`) and the privilege drop."""
@@ -1173,6 +1589,7 @@ def _jail(namespaces: bool, cgroups: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig=TERM", "--", *outer, "--mount", "--net", "--ipc", "/bin/sh", "-c", _JAIL_SETUP,
             "sh", " ".join(cgroups), *_SANDBOX_READ_ONLY, "--", unshare, "--pid", "--fork", "--kill-child",
             "--mount-proc", "--root=.", "--wd=/tmp", *drop]
+
 
 def _make_cgroups(memory_mb: int) -> list[str]:
     """New cgroups capping memory (swap too) and processes: in ours (v1 memory, pids), else beside it (v2)."""
@@ -1188,6 +1605,7 @@ def _make_cgroups(memory_mb: int) -> list[str]:
         Path(path, name).write_text(str(limits[name]))
     return made
 
+
 def _read_capped(fd: int, max_chars: int, head: bool) -> str:
     """The first (stdout: the answer) or last (stderr: the error) max_chars characters, bounded reads."""
     size, n = os.fstat(fd).st_size, 4 * max_chars  # UTF-8 takes at most 4 bytes per character
@@ -1196,6 +1614,7 @@ def _read_capped(fd: int, max_chars: int, head: bool) -> str:
         return text
     note = f"[output truncated, {size} bytes in total]"
     return f"{text[:max_chars]}\n...{note}" if head else f"{note}...\n{text[-max_chars:]}"
+
 
 def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, stderr: str) -> Optional[str]:
     """One short line for the planner/verifier from the return code rc; None means "ran cleanly"."""
@@ -1211,6 +1630,7 @@ def _describe_failure(rc: int, timed_out: bool, timeout_s: float, capped: bool, 
     lines = stderr.strip().splitlines()  # the last line of a traceback is "ExceptionName: message"
     return lines[-1].strip()[:500] if lines else f"exited with code {rc}"
 
+
 def _remove_cgroups(made: list[str]) -> None:
     """What the jail's shell left (it was killed): kill every task in a cgroup, whatever its group, then rmdir."""
     for path in made:
@@ -1224,6 +1644,7 @@ def _remove_cgroups(made: list[str]) -> None:
                 time.sleep(0.01)
         if os.path.isdir(path):
             log(f"sandbox: could not remove the cgroup {path}")
+
 
 def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, jail: bool, cgroups: bool) -> dict:
     out_fd, err_fd, status_fd, code_fd = (os.memfd_create(name) for name in ("stdout", "stderr", "status", "code"))
@@ -1269,6 +1690,7 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
     return {"stdout": stdout, "stderr": stderr, "timed_out": timed_out, "returncode": rc,
             "error": _describe_failure(rc, timed_out, timeout_s, overflow, stderr)}
 
+
 def _why_python_fails(errors: list[str]) -> str:
     """Why no probe ran. Root runs code as uid 65534: a folder or file on the interpreter's path (or its target's)
     that "others" may not enter (/root/.pyenv, a venv in /root) is the usual cause; else the last probe's error."""
@@ -1277,6 +1699,7 @@ def _why_python_fails(errors: list[str]) -> str:
         if os.geteuid() == 0 and path.stat().st_uid != 65534 and not path.stat().st_mode & 0o001:
             return f"the interpreter is not readable by uid 65534: {path} (mode {path.stat().st_mode & 0o777:o})"
     return errors[-1] if errors else "no sandbox could start"
+
 
 def sandbox_missing_layers() -> list[str]:
     """Which of "namespaces", "cgroup" and "seccomp" this system cannot give. The first call probes under the lock
@@ -1302,12 +1725,14 @@ def sandbox_missing_layers() -> list[str]:
                 log(f"sandbox: no {', no '.join(missing)} here{why} (see the README)")
     return [name for name, ok in zip(("namespaces", "cgroup", "seccomp"), _SANDBOX) if not ok]
 
+
 def python_tool_check() -> None:
     """The Python tool's start-up self-test: the probe's one-line snippet must have run, else one error line."""
     sandbox_missing_layers()
     if dead := _SANDBOX[3]:
         raise SystemExit(f"error: the Python tool cannot run code here: {dead[:300]} (or leave "
                          "Python_Coder_Tool out of --tools)")
+
 
 def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_chars: int = 8000) -> dict:
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
@@ -1322,6 +1747,9 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
         error = f"sandbox failure: {type(e).__name__}: {e}"
     return {"stdout": "", "stderr": "", "error": error, "timed_out": False, "returncode": None}
 
+
+# ======== 16. Tools ========
+
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(*args, **kwargs), or TimeoutError after timeout_s (its thread is abandoned until its socket returns)."""
@@ -1330,9 +1758,11 @@ def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kw
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"timed out after {float(timeout_s)} s") from None
 
+
 def _short_error(e: BaseException, max_chars: int = 300) -> str:
     """'TypeName: message' on one bounded line: what tools put in {"error": ...}."""
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
+
 
 # --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key).
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
@@ -1344,9 +1774,11 @@ def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
     starts = range(0, max(len(words) - overlap, 1), size - overlap)  # a later start: a window inside the one before
     return [" ".join(words[s:s + size]) for s in starts] if words else []
 
+
 def tokenize(text: str) -> list[str]:
     """Lowercase word tokens in any script: "Curie's 2 Nobel-Prizes" -> ['curie', 's', '2', 'nobel', 'prizes']."""
     return re.findall(r"[^\W_]+", text.lower())
+
 
 def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75) -> list[float]:
     """Okapi BM25 score of each chunk for the query, summed over the distinct query terms t:
@@ -1364,10 +1796,12 @@ def bm25_scores(query: str, chunks: list[str], k1: float = 1.5, b: float = 0.75)
                 scores[i] += idf * d[term] * (k1 + 1) / (d[term] + k1 * (1 - b + b * lengths[i] / avg_len))
     return scores
 
+
 def bm25_top_k(query: str, chunks: list[str], k: int = 5) -> list[int]:
     """Indices of the k chunks that best match the query under BM25, best first, ties to the lower index."""
     scores = bm25_scores(query, chunks)
     return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:max(0, k)]
+
 
 # --- Scripted roles (--scripted-roles): exact, rule-based stand-ins for every frozen LLM role, each doing what a
 # capable model would do with the plan it is given. A 135M executor, coder or reader fails right plans for reasons
@@ -1451,10 +1885,12 @@ class Tool:
             raise ValueError(f"invalid arguments for {self.name}: {problems}") from None
         return self.run(args, findings) if self.reads_memory else self.run(args)
 
+
 def tool_input(name: str, **fields: str) -> type[BaseModel]:
     """A tool's input model: non-empty strings described to the executor; extra="forbid" names a misspelt key."""
     return create_model(name, __config__=ConfigDict(extra="forbid"),
                         **{k: (str, Field(min_length=1, description=d)) for k, d in fields.items()})
+
 
 class RAGTool(Tool):
     """Retrieval: a text -> overlapping word windows -> the top_k best -> an answer written from them only."""
@@ -1469,6 +1905,7 @@ class RAGTool(Tool):
         return (f"Answer the query using ONLY the passages below from {source}. Keep exact names, numbers and dates. "
                 f"If the passages do not answer the query, {if_unanswered}.\n\n"
                 f"Passages:\n{numbered}\n\nQuery: {query}\nAnswer:")
+
 
 # --- Generalist: the LLM itself, answering step by step
 class GeneralistTool(Tool):
@@ -1486,6 +1923,7 @@ class GeneralistTool(Tool):
         prompt = ("Answer the query below. Reason step by step, then give the final answer on a last line that "
                   f"starts with 'Answer:'.\n\nQuery: {args.query}")
         return self.engine.ask(prompt, max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
+
 
 # --- Python coder: the LLM writes a program, the sandbox runs it
 class PythonCoderTool(Tool):
@@ -1527,6 +1965,12 @@ class PythonCoderTool(Tool):
         return {"code": code, "stdout": result["stdout"],
                 "error": "the program printed nothing; it must print the answer" if silent else result["error"]}
 
+
+class TitleSelection(BaseModel):
+    """Wikipedia tool: which search results to read."""
+    titles: list[str] = Field(description="up to 3 page titles copied exactly from the candidate list")
+
+
 # --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
 def _fetch_wikipedia_page(title: str) -> dict:
     """{"title", "url", "content"}, or {"title", "error"}; never raises. No auto_suggest: it may load another page."""
@@ -1540,6 +1984,7 @@ def _fetch_wikipedia_page(title: str) -> dict:
         return {"title": title, "error": f"no Wikipedia page titled '{title}'"}
     except Exception as e:  # a network failure
         return {"title": title, "error": _short_error(e)}
+
 
 class WikipediaTool(RAGTool):
     name = "Wikipedia_RAG_Search_Tool"
@@ -1609,11 +2054,13 @@ class WikipediaTool(RAGTool):
             page["summary"] = summary
         return {"query": query, "pages": pages, **({} if read else {"error": "none of the pages could be read"})}
 
+
 # --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
 # A model-chosen URL reaches whatever this host can (localhost, cloud metadata): only http(s) here; production should
 # also refuse private and loopback addresses (the tests' stand-in servers listen on loopback).
 
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
+
 
 def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
     """GET url: (at most max_bytes of body, content type), streamed 64 KB at a time so a 10 GB file costs 2 MB.
@@ -1633,6 +2080,7 @@ def fetch_limited(url: str, timeout_s: float, max_bytes: int) -> tuple[bytes, st
                 raise TimeoutError(f"download took longer than {float(timeout_s)} s")
     return bytes(body[:max_bytes]), content_type
 
+
 def page_text(body: bytes, content_type: str) -> str:
     """Visible text of an HTML page, or the decoded text body; whitespace collapsed to single spaces. The header's
     charset comes first (as in browsers), then an HTML page's <meta charset> or a guess, a text body's UTF-8."""
@@ -1649,6 +2097,7 @@ def page_text(body: bytes, content_type: str) -> str:
         except LookupError:  # a charset name Python does not know
             text = body.decode("utf-8", errors="replace")
     return " ".join(text.split())
+
 
 class WebRAGTool(RAGTool):
     name = "Web_RAG_Search_Tool"
@@ -1675,8 +2124,10 @@ class WebRAGTool(RAGTool):
         return self.engine.ask(self.grounded_prompt(args.query, text, f"the web page {args.url}"),
                                max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
+
 # --- Registry
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
+
 
 def read_corpus(path: str) -> dict[str, str]:
     """--wiki-corpus: JSONL {"title", "text"} pages -> {title: text}; a bad file is one error line naming the line."""
@@ -1697,6 +2148,7 @@ def read_corpus(path: str) -> dict[str, str]:
         raise SystemExit(f"error: --wiki-corpus {path} holds no page")
     return pages
 
+
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                wiki_corpus: Optional[dict[str, str]] = None, tips: bool = True,
                scripted: bool = False) -> dict[str, Tool]:
@@ -1713,210 +2165,9 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
         python_tool_check()
     return tools
 
-# ======== 11. The agent: query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer ====
-# solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
-# rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
 
-def describe_tools(tools: dict) -> str:
-    return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
+# ======== 17. Judge ========
 
-def analysis_prompt(question: str, tools: dict) -> str:
-    return (f"You are the analyst of a problem-solving agent. Study the question before any tool is used.\n\n"
-            f"Question: {question}\n\nAvailable tools:\n{describe_tools(tools)}")
-
-def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
-    """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
-    included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
-    return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
-            f"Question: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
-            f"Available tools:\n{describe_tools(tools)}\n\nMemory of previous steps:\n{memory.to_text()}\n\n"
-            f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
-            f"can reach now; build on the memory instead of repeating a step that already worked."
-            + schema_instruction(NextStep))
-
-def executor_prompt(question: str, plan: NextStep, tool) -> str:
-    # The question last, nearest the reply: a small executor then copies the task into the call
-    return (f"You are the executor of a problem-solving agent. Turn the planner's step into one call of the "
-            f"tool below; the arguments must follow its input schema.\n\nTool:\n{tool.describe()}\n\n"
-            f"Sub-goal: {plan.sub_goal}\nContext: {plan.context}\nQuestion: {question}")
-
-def verifier_prompt(question: str, analysis: str, memory: Memory) -> str:
-    return (f"You are the verifier of a problem-solving agent. Decide whether the memory below already "
-            f"holds enough verified information to answer the question correctly.\n\nQuestion: {question}\n\n"
-            + (f"Query analysis: {analysis}\n\n" if analysis else "") + f"Memory:\n{memory.to_text()}")
-
-def answer_prompt(question: str, memory: Memory) -> str:
-    # Steps first (else a small model lists steps of its own); findings again in plain words (else it echoes 12 * 34)
-    found = memory.findings()
-    return (f"Steps taken so far:\n{memory.to_text()}\n\n" + (f"They found: {found}\n\n" if found else "") +
-            f"Question: {question}\nAnswer the question using the steps above. Reason briefly, then give only "
-            f"the final answer inside <answer></answer>.")
-
-def analyse(questions: list[str], frozen: Engine, tools: dict) -> list[str]:
-    """The frozen analyst's notes per question, as the JSON text the planner reads ("(no analysis)" if unparsed)."""
-    analyses = frozen.generate([analysis_prompt(q, tools) for q in questions], schema=QueryAnalysis)
-    return [json.dumps(a.model_dump(), ensure_ascii=False) if a else "(no analysis)" for a in analyses]
-
-@dataclass
-class Turn:
-    """One planner turn and everything that followed from it."""
-    plan_text: str  # the planner's raw output: the action a_t
-    plan: Optional[NextStep]  # the parsed plan, None when the text was not valid JSON
-    call: Optional[dict]  # the tool call that ran: {"tool_name", "arguments"} (the tool validated them)
-    result: Any  # what the tool returned, or {"error": ...}
-    verdict: Optional[Verification] = None  # the verifier's decision after this turn (None: unreadable or not asked)
-    planner_output: Any = None  # whatever the planner returned (in training: its token ids and log-probs)
-
-@dataclass
-class AgentState:
-    """A trajectory in progress."""
-    question: str
-    memory: Memory
-    analysis: str = ""
-    turns: list[Turn] = field(default_factory=list)
-    done: bool = False  # the verifier said STOP: no more turns
-    final_output: str = ""  # the generator's final text, with <answer>...</answer>
-    stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
-
-@contextlib.contextmanager
-def timed(timings: Optional[dict], key: str):
-    """Add the block's seconds to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]."""
-    t0, before = time.perf_counter(), usage()
-    yield
-    if timings is not None:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-        for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
-            timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
-
-def write_calls(live: list[AgentState], plans: list, frozen: Engine, tools: dict, timings: Optional[dict],
-                scripted: bool = False) -> list:
-    """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
-    Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them.
-    scripted: the rule-based executor (scripted_call) instead."""
-    calls: list[Optional[dict]] = [None] * len(live)
-    todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
-    if scripted:
-        return [scripted_call(plans[i], tools[plans[i].tool_name]) if i in todo else None for i in range(len(live))]
-    for name in sorted({plans[i].tool_name for i in todo}):
-        rows = [i for i in todo if plans[i].tool_name == name]
-        with timed(timings, "fixed"):
-            made = frozen.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
-                                  schema=tools[name].input_model)
-        for i, c in zip(rows, made):
-            calls[i] = c and c.model_dump()
-    return calls
-
-def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory: Memory) -> tuple[Optional[dict], Any]:
-    """Run the tool. A failure becomes a readable error for the memory and the next prompt, never an exception."""
-    if plan is None:
-        return None, {"error": "the plan was not valid JSON with at least the fields sub_goal and tool_name"}
-    if plan.tool_name not in tools:
-        return None, {"error": f"unknown tool {plan.tool_name!r}; available: {', '.join(tools)}"}
-    if args is None:
-        return None, {"error": "the tool call did not fit the tool's input schema"}
-    command = {"tool_name": plan.tool_name, "arguments": args}
-    try:
-        tool = tools[plan.tool_name]  # __call__ validates the arguments
-        return command, tool(args, memory.findings()) if getattr(tool, "reads_memory", False) else tool(args)
-    except torch.cuda.OutOfMemoryError:  # not the tool's fault: the step stops, the run is saved (train)
-        raise
-    except Exception as e:  # invalid arguments or a tool that crashed: the trainer goes on
-        return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-
-def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], frozen: Engine, tools: dict,
-                max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
-                analysis: bool = True, timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
-    """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis;
-    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools)."""
-    states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
-    with timed(timings, "fixed"):
-        for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
-            st.analysis = text
-            st.stats["parse_fail:analysis"] += text == "(no analysis)"
-    slots = threading.Semaphore(max(1, tool_workers))
-    for turn in range(1, max_turns + 1):
-        live = [st for st in states if not st.done]
-        if not live:
-            break
-        # 1) PLAN: one batched call for every live trajectory - the only trained step.
-        with timed(timings, "planner"):
-            outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
-                               for st in live])
-        texts = [getattr(o, "text", o) for o in outputs]
-        plans = [parse_structured(t, NextStep) for t in texts]
-        # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
-        calls = write_calls(live, plans, frozen, tools, timings, scripted)
-        # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
-        with timed(timings, "tools"):
-            ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
-                                 slots, frozen.phase_timeout_s, "tool calls")
-        ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
-                     {"error": f"no result within {frozen.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
-        # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
-        for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
-            st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
-            st.turns.append(Turn(plan_text=text, plan=plan, call=command, result=result, planner_output=out))
-            st.stats["parse_fail:plan"] += plan is None
-            st.stats["parse_fail:call"] += plan is not None and plan.tool_name in tools and call is None
-            st.stats["tool_error"] += command is not None and isinstance(result, dict) and bool(result.get("error"))
-        # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
-        if turn == max_turns or not verify:  # (after the last turn a verdict would change nothing)
-            continue
-        with timed(timings, "fixed"):
-            verdicts = frozen.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
-                                      schema=Verification)
-        for st, v in zip(live, verdicts):
-            st.turns[-1].verdict = v
-            st.stats["parse_fail:verdict"] += v is None
-            st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
-    # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
-    with timed(timings, "fixed"):
-        finals = ([scripted_answer(st.memory) for st in states] if scripted else
-                  frozen.generate([answer_prompt(st.question, st.memory) for st in states]))
-    for st, text in zip(states, map(str.strip, finals)):
-        st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
-    return states
-
-def format_trajectory(st: AgentState) -> str:
-    """A readable trajectory (--ask, rollouts.jsonl); a VERIFIER line where one was asked (not last, --no-verify)."""
-    lines = [f"QUESTION: {st.question}", f"ANALYSIS: {st.analysis}"]
-    for i, t in enumerate(st.turns, 1):
-        verdict = ("STOP" if t.verdict.stop_signal else "CONTINUE") if t.verdict else "unparseable -> CONTINUE"
-        lines += [f"--- turn {i} ---",
-                  f"PLAN: {t.plan.model_dump_json() if t.plan else 'unparseable: ' + repr(t.plan_text[:300])}",
-                  f"TOOL CALL: {json.dumps(t.call, ensure_ascii=False) if t.call else '(none)'}",
-                  f"RESULT: {json.dumps(json_safe(t.result, 600), ensure_ascii=False)}"]
-        lines += [f"VERIFIER: {verdict}"] if t.verdict or i < len(st.turns) and st.stats["parse_fail:verdict"] else []
-    return "\n".join(lines + [f"FINAL: {st.final_output}"])
-
-# ======== 12. Rollout: the agent's B x G trajectories, the policy sampling every plan ================
-
-def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine, tools: dict, *, group_size: int,
-            timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
-    """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
-    def planner(prompts: list[str]) -> list[Sample]:
-        rendered = [render_chat(tokenizer, p) for p in prompts]
-        chunks = decode_chunks(tokenizer, rendered, cfg.max_new_tokens, cfg.rollout_tokens)
-        with MODEL_LOCK:  # a late frozen-role call waits: these samples are the policy's, adapter on
-            return [s for idx in chunks for s in sample_actions(
-                model, tokenizer, [rendered[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature, share_prefill=share_prefill)]
-    model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
-    return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
-                       tools=tools, **agent_options(cfg), timings=timings)
-
-def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, scale: str = "group",
-               unit: str = "trajectory") -> list[Row]:
-    """Trajectories -> turn-rows, each with its trajectory's advantage (Flow-GRPO's broadcast; A = 0 rows still add KL).
-    unit='row' (--adv-unit, AgentFlow's code): advantages over turn-rows, so long trajectories weigh more."""
-    turns = [(i, turn.planner_output) for i, st in enumerate(states) for turn in st.turns]
-    if unit == "row":
-        adv_B = group_advantages([rewards[i] for i, _ in turns], [group_ids[i] for i, _ in turns], scale)
-    else:
-        adv_B = group_advantages(rewards, group_ids, scale)[[i for i, _ in turns]]
-    return [Row(**vars(s), advantage=a, traj_id=i) for (i, s), a in zip(turns, adv_B.tolist())]
-
-# ======== 13. Judge reward ===========================================================================
 # The rule judge: OUR answer extraction, then exact numbers, dates, SQuAD-normalised text, math-verify (10^{3} = 1000,
 # sets in any order), a claim in a short sentence; what needs the question or a long sentence is the LLM judge's
 # (--judge llm). Only the last ANSWER_TAIL characters are read and no pattern backtracks: a huge output costs no more.
@@ -1944,6 +2195,7 @@ HEDGES = re.compile(r"\b(?:or|nor|either|neither|not|no|never|and|but|than|betwe
                     r"at (?:least|most)|may|might|could|maybe|perhaps|possibly|probably|likely|seems|guess|unsure|"
                     r"unknown|wait|instead|rather|approximately|nearly|almost)\b|n't\b")
 
+
 def last_boxed(text: str) -> Optional[str]:
     """The content of the last \\boxed{...}, braces balanced; None if there is none or it is unclosed."""
     if (start := text.rfind("\\boxed{")) < 0:
@@ -1954,6 +2206,7 @@ def last_boxed(text: str) -> Optional[str]:
         if depth == 0:
             return text[i + 1:j]
     return None
+
 
 def extract_answer(text: str) -> str:
     """The final answer in the last ANSWER_TAIL characters: inside the last <answer> tag (closed or not), else
@@ -1972,11 +2225,13 @@ def extract_answer(text: str) -> str:
         inner = inner.strip().rsplit("\n", 1)[-1]
     return inner.strip(" \t\n*:").rstrip(".* ")
 
+
 def strip_latex(text: str) -> str:
     """Without the LaTeX that does not change a math answer: \\left, \\dfrac, \\varnothing, thin spaces, spaces (but one
     between digits: '1 2' is not 12). Signs, brackets and case stay: '(-1, 2)' is not '(1, 2)'."""
     t = re.sub(r"\s+", " ", re.sub(r"\\(?:varnothing|\{ *\\\})", r"\\emptyset", re.sub(r"\\[dt]frac", r"\\frac", text)))
     return re.sub(r"\\(?:left|right)(?![a-zA-Z])|(?<!\\)\\[!,;: ]|(?<!\d) | (?!\d)", "", t)
+
 
 def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     """'1,234', '-3.5', '2/3', '-\\frac{2}{3}', '50\\%' as an exact Fraction, else None. Thousands separators only
@@ -1998,6 +2253,7 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
     except (ValueError, ZeroDivisionError):
         return None
 
+
 def spelled(text: str) -> str:
     """'seven' as '7', 'forty-six' as '46', 'two hundred six' as '206', 'infinity' as '\\infty'; else as is."""
     m = re.fullmatch(r"(\S+)(?: (hundred|thousand|million|billion)(?: (?:and )?(\S+))?)?", text.strip().lower())
@@ -2005,6 +2261,7 @@ def spelled(text: str) -> str:
     if n is None or m[2] and (isinstance(n, str) or not isinstance(rest := NUMBER_WORDS.get(m[3] or "zero"), int)):
         return text
     return str(n * 10 ** {"hundred": 2, "thousand": 3, "million": 6, "billion": 9}[m[2]] + rest if m[2] else n)
+
 
 def normalize_text(text: str, roman: bool = False) -> str:
     """SQuAD-style: lower case, no punctuation, articles or accents, single spaces: 'The Café.' -> 'cafe'. A
@@ -2017,6 +2274,7 @@ def normalize_text(text: str, roman: bool = False) -> str:
     t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", t)
     return " ".join(NAME_WORDS.get(w, w) for w in re.findall(r"\w+", t) if w not in {"a", "an", "the"})
 
+
 def to_date(text: str) -> Optional[tuple]:
     """'May 18, 2018', '18th of May 2018', '2018-05-18' as (2018, 5, 18); None for anything else ('May 2018')."""
     if re.fullmatch(r"\d{4}-\d\d-\d\d", text):
@@ -2028,6 +2286,7 @@ def to_date(text: str) -> Optional[tuple]:
             and numbers[0] <= 31 < 1000 <= numbers[1]:
         return numbers[1], months[0], numbers[0]
     return None
+
 
 # math-verify runs in a `python -c` worker process, killed after SYMPY_TIMEOUT_S: sympy has no time bound
 # ('10^{10^{10}}' never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only.
@@ -2043,6 +2302,7 @@ for line in sys.stdin:
     print(int(same), file=out, flush=True)  # else 1.414214 would be sqrt(2), though 0.33 is not 1/3
 """
 _math_worker, _math_lock = {}, threading.Lock()  # "proc": the running worker; calls from threads take turns on the lock
+
 
 def math_verify_equal(gold: str, pred: str) -> bool:
     """MATH_WORKER's verdict, or False after SYMPY_TIMEOUT_S."""
@@ -2063,6 +2323,7 @@ def math_verify_equal(gold: str, pred: str) -> bool:
                 _math_worker.pop("proc").kill()
                 proc.wait()
         return reply.strip() == "1"
+
 
 def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
     """Numbers exactly (1/3 is not 0.33); dates as (y, m, d); an acronym by its initials ('U.S.', 'WWII'); text
@@ -2103,6 +2364,7 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
         return bool(m) and to_number(m[2]) == g  # '9379 + 2894' restates the question, '... = 12273' answers it
     return math_verify_equal(gold, pred)
 
+
 def as_interval(text: str) -> str:
     """'0 \\le x \\le 1' as '[0, 1]', '0 < x < 1' as '(0, 1)', 'x \\in [0, 1]' as '[0, 1]'; anything else as it is."""
     text = re.sub(r"^[a-z]\s*\\in(?![a-zA-Z])\s*", "", re.sub(r"(?<!\\)\binf\b", r"\\infty", text))  # Python's 'inf'
@@ -2114,6 +2376,7 @@ def as_interval(text: str) -> str:
     if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
         return f"{'(['[parts[1] != '<']}{parts[0]}, {parts[4]}{')]'[parts[3] != '<']}"
     return text
+
 
 def claimed(pred: str, gold: str) -> bool:
     """The last sentence of pred states gold (answers_match without math-verify) right after one of LINKS, or
@@ -2150,6 +2413,7 @@ def claimed(pred: str, gold: str) -> bool:
             return True
     return False
 
+
 def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) -> float:
     """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases
     (aliases=True: '1945; 1946'), or the parts of ONE math answer (False: 'y = 2' is not 'x = 1; y = 2'); None
@@ -2164,30 +2428,76 @@ def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) 
         for s in [extract_answer(answer), *golds]]
     return float(any(answers_match(pred, g) or claimed(pred, g) for g in golds if g))
 
+
+class JudgeVerdict(BaseModel):
+    """LLM judge: is the final answer equivalent to the ground truth?"""
+    analysis: str = Field(description="compare the two answers briefly")
+    correct: bool = Field(description="true if the answer is equivalent to the ground truth")
+
+
 def judge_prompt(question: str, answer: str, ground_truth: str, aliases: Optional[bool] = None) -> str:
     several = "" if aliases is False else " Several acceptable ground truths are separated by '; '."
     return (f"You grade answers. Decide whether the final answer is equivalent to the ground truth (same value "
             f"or same entity; wording may differ).{several}\n\n"
             f"Question: {question}\nFinal answer: {extract_answer(answer)}\nGround truth: {ground_truth}")
 
+
 # The `source` values of prepare_data.py whose "; " separates acceptable answers (NQ's lists) or never does (math).
 ALIASES_BY_SOURCE = {"nq": True, "mathhard": False, "aime24": False}
 
-def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None,
-                  sources: Optional[list[str]] = None) -> tuple[list[float], int]:
-    """Rewards, and how many fell back to the rule: the engine's verdict where it gives one, else the rule."""
-    aliases = [ALIASES_BY_SOURCE.get(s) for s in sources or [""] * len(truths)]  # None: rule_reward guesses
-    rule = [rule_reward(a, t, al) for a, t, al in zip(answers, truths, aliases)]
-    if engine is None:
-        return rule, 0
-    verdicts = engine.generate([judge_prompt(q, a, t, al) for q, a, t, al in zip(questions, answers, truths, aliases)],
-                               schema=JudgeVerdict)
-    return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
-# ======== 14. Training ===============================================================================
+# ======== 18. Loading ========
 
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# The tiny tokenizer's training text: the words, JSON keys and digits that the agent's prompts are made of.
+TINY_CORPUS = """You are the planner of a problem-solving agent. Choose the single best next step. Question: What is
+the value of the expression? Query analysis: the question asks for an exact number; a tool can compute it. Tools:
+Python_Coder_Tool runs a short Python program in a sandbox, Generalist_Solution_Generator_Tool answers a sub-task by
+step-by-step reasoning, Wikipedia_RAG_Search_Tool searches English Wikipedia, Web_RAG_Search_Tool reads a URL.
+Memory of previous steps: Step 1: {"tool_name": "Python_Coder_Tool", "sub_goal": "compute the product", "command":
+{"arguments": {"query": "print(37 * 91)"}}, "result": {"stdout": "3367", "error": null}} Reply with exactly one
+JSON object and nothing else. Its fields: "justification" (string), "context", "sub_goal", "tool_name",
+"concise_summary", "required_skills", "relevant_tools", "additional_considerations", "analysis", "stop_signal":
+true, false. You are the executor, the verifier. Is the memory enough to answer the question correctly? Give only
+the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
+"""
+
+# --model qwen2.5-1.5b-shape[:LAYERS]: random weights in Qwen2.5-1.5B-Instruct's public shape (DESIGN.md), the tiny
+# tokenizer: its memory and time measured without the Hub (--benchmark), LAYERS fewer layers to extrapolate from on CPU.
+SHAPE_MODEL, QWEN_1_5B = "qwen2.5-1.5b-shape", dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
+
+
+def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes):
+    """A random tiny Qwen2ForCausalLM (~0.2M parameters) and a BPE tokenizer learnt from TINY_CORPUS, for the smoke
+    preset and the tests: noise out, but every code path (chat template, padding, EOS, KV cache, LoRA) is real.
+    sizes: Qwen2Config sizes in place of the tiny ones (QWEN_1_5B); the tokenizer's ids stay below 2,048."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    specials, core = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # from the 256 bytes: any text encodes
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator([TINY_CORPUS] * 4, trainer=trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))  # deterministic: the same text gives the same merges
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=specials[1:])
+    tokenizer.chat_template = (  # ChatML, as Qwen's instruct models: prompts shaped like the real one's
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tiny = dict(vocab_size=core.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
+    config = Qwen2Config(**{**tiny, **sizes}, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    with torch.random.fork_rng():  # seed the weights without disturbing the caller's random stream
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # as from_pretrained: RoPE frequencies in fp32
+    return model.eval(), tokenizer  # generation_config takes eos and pad from the config
+
 
 def dequantise_gguf(path: Path, folder: Path) -> None:
     """GGUF file -> fp32 checkpoint folder, once (loads far faster), via a fresh model: save_pretrained refuses GGUF."""
@@ -2205,6 +2515,7 @@ def dequantise_gguf(path: Path, folder: Path) -> None:
         tmp.rename(folder)  # written aside, then renamed: a crash never leaves half a folder
     except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
+
 
 def resolve_model(name: str) -> str:
     """--model -> what from_pretrained loads: an HF id or folder as is; a .gguf file, or `smollm2-135m` (the
@@ -2224,6 +2535,7 @@ def resolve_model(name: str) -> str:
     if not folder.is_dir():
         dequantise_gguf(path, folder)
     return str(folder)
+
 
 def load_policy(cfg: Config, device: str, *, trainable: bool):
     """Base (tiny, or an HF id, folder or GGUF, in --dtype; QLoRA: 4-bit NF4) + LoRA: --adapter when given (trainable
@@ -2276,6 +2588,7 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
         model.enable_input_require_grads()
     return model, tokenizer
 
+
 def probe_server(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
     """One tiny structured request before anything else: a wrong URL or model name is one clear line at start-up,
     not a whole run of empty answers and zero rewards; and the server's structured-output mode is settled."""
@@ -2285,6 +2598,7 @@ def probe_server(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
                          f"(see the line above); check the URL, the model name and --api-key-env")
     log(f"[engine] {flag} {engine.base_url}: structured output by {engine.mode} {engine.refusal}".rstrip())
     return engine
+
 
 def build_system(cfg: Config, device: str, *, trainable: bool):
     """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off), tools and
@@ -2305,6 +2619,7 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
                        scripted=cfg.scripted_roles)
     return model, tokenizer, frozen, tools, judge
 
+
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
     own, built = PRESETS.get(cfg.preset, {}), None
@@ -2318,6 +2633,7 @@ def ensure_sample_data(cfg: Config) -> None:
             write(built[i], path)
             log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
 
+
 def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int]:
     """The rows of training step `step` (1, 2, ...) from each row's kind (source). Each epoch shuffles each kind's rows
     (seed + epoch) and deals the kinds in turn: equal shares per batch, so no update pushes one tool on every question
@@ -2330,15 +2646,18 @@ def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int
         epochs[e] = [i for dealt in itertools.zip_longest(*by_kind) for i in dealt if i is not None]
     return [epochs[k // n][k % n] for k in range(first, first + size)]
 
+
 def run_settings(cfg: Config, train_data: str = "") -> dict:
     """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
     with other rows would change what every later step draws; --resume compares both)."""
     return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
 
+
 def rng_state() -> dict:
     """Every random stream a step draws from: a checkpoint keeps them, so that a resume draws as the unbroken run."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
 
 def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: Config, train_data: str = "",
                     rng: Optional[dict] = None) -> Path:
@@ -2359,6 +2678,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
     tmp.rename(final)
     return final
 
+
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     """The newest checkpoint whose three files read back whole (a full disk or a partial copy can tear one)."""
     found = [p for p in out_dir.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
@@ -2371,6 +2691,7 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
         except Exception:  # each format fails its own way: SafetensorError, RuntimeError, EOFError, ValueError
             log(f"warning: {ckpt} is incomplete or damaged; skipping it")
     return None
+
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     """Restore adapter weights, optimizer, scheduler and RNG; returns the step reached (it fixes the data position)."""
@@ -2388,12 +2709,14 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
     log(f"resumed from {ckpt} (step {state['step']})")
     return int(state["step"])
 
+
 # The flags that may differ on --resume: how long the run goes (the cosine decay stretches to a new max_steps), where
 # and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
                "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
                "max_tokens_per_micro_batch", "rollout_tokens", "request_timeout_s", "fixed_base_url", "judge_base_url",
                "api_key_env")
+
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
     """The checkpoint to start from (None: step 0), found before the model loads so that a refusal costs nothing.
@@ -2418,6 +2741,7 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
                          f"may change: {', '.join('--' + k.replace('_', '-') for k in RESUME_SAFE[2:])}")
     return ckpt
 
+
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     keep = []
@@ -2427,88 +2751,6 @@ def trim_jsonl(path: Path, max_step: int) -> None:
                 keep.append(line.decode() + "\n")
     path.write_text("".join(keep))
 
-def agent_counts(states: list[AgentState], tools: dict) -> Counter:
-    """For --eval's last line and the step metrics: turns, plans parsed, calls asked (tool:<name> per tool) and valid
-    in their schema, and the frozen roles' structured outputs (analysis, calls, verdicts asked) and how many parsed."""
-    c = Counter()
-    for st in states:
-        asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
-        c.update(f"tool:{t.plan.tool_name}" for t in asked)
-        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
-        structured = int(bool(st.analysis)) + len(asked) + verdicts  # (analysis "": --no-analysis asked no analyst)
-        failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
-        c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
-                 calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],
-                 structured=structured, structured_valid=structured - failed)
-    return c
-
-def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
-    """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
-    c = agent_counts(states, tools)
-    def rate(part: str, whole: str) -> float:  # 0 for an empty whole
-        return c[part] / max(1, c[whole])
-    return {"turns_per_traj": rate("turns", "questions"), "plan_parse_rate": rate("plans", "turns"),
-            "tool_call_valid": rate("calls_valid", "calls"), "tool_error_rate": rate("tool_errors", "turns"),
-            "structured_valid": rate("structured_valid", "structured"),
-            "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
-
-def rollout_and_judge(model, tokenizer, batch: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict,
-                      cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
-    """G trajectories per question of `batch` (trajectory i answers batch[i // G]), their rewards, judge fallbacks."""
-    G, questions = cfg.group_size, [b["question"] for b in batch]
-    states = rollout(model, tokenizer, questions, cfg, frozen, tools, group_size=G, timings=timings)
-    rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
-                                       [b["answer"] for b in batch for _ in range(G)], judge,
-                                       [b.get("source") for b in batch for _ in range(G)])
-    return states, rewards, fallbacks
-
-def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], frozen: Engine, judge: Optional[Engine],
-                  tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
-    """DAPO's dynamic sampling (--dynamic-sampling N): groups of equal rewards are dropped, and up to N more batches
-    (their own seeded RNG: resumable) rolled out until B groups with variance are kept (N = 0: all are kept)."""
-    G, kept_states, kept_rewards, c = cfg.group_size, [], [], Counter()
-    for attempt in range(cfg.dynamic_sampling + 1):
-        if attempt:
-            draw = random.Random(f"dynamic-{cfg.seed}-{step}-{attempt}")
-            batch = [data_rows[i] for i in draw.sample(range(len(data_rows)), min(cfg.batch_size, len(data_rows)))]
-        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
-        c.update(rollouts=1, groups=len(batch), flat_groups=zero_std_frac(rewards, [i // G for i in range(len(states))])
-                 * len(batch), judge_fallbacks=fallbacks, trajectories=len(states), reward_sum=sum(rewards))
-        for g in range(0, len(states), G):
-            if cfg.dynamic_sampling == 0 or max(rewards[g:g + G]) > min(rewards[g:g + G]):
-                kept_states += states[g:g + G]
-                kept_rewards += rewards[g:g + G]
-        if len(kept_states) >= cfg.batch_size * G:
-            break
-    n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
-    return kept_states[:n], kept_rewards[:n], c
-
-def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen: Engine, judge: Optional[Engine],
-               tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None,
-               ref_weights: Optional[dict] = None) -> tuple[dict, list[AgentState], list[float]]:
-    """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
-    reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
-    engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
-    G, timings, t0, phases = cfg.group_size, {}, time.perf_counter(), ("planner", "fixed", "tools")
-    before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
-    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
-                                       timings)
-    rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)
-    t1, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
-    with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
-        fill_old_and_ref(model, rows, cfg, step, ref_weights)
-        upd = update_policy(model, optimizer, rows, cfg, step)
-    scheduler.step()
-    metrics = {"step": step, "reward_mean": c["reward_sum"] / max(1, c["trajectories"]), **upd, "rows": len(rows),
-               "lr": lr, "zero_std_frac": c["flat_groups"] / max(1, c["groups"]), "rollouts": c["rollouts"],
-               "kept_groups": len(states) // G, **trajectory_metrics(states, tools),
-               "judge_fallbacks": c["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
-               "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
-               **{f"time_{k}_s": timings.get(k, 0.0) for k in phases},
-               **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit") for k in phases},
-               "engine_requests": sum(e.requests for e in engines) - before[0],
-               "engine_failures": sum(e.failures for e in engines) - before[1]}
-    return metrics, states, rewards
 
 class GracefulInterrupt:
     """First Ctrl-C or SIGTERM: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer),
@@ -2530,56 +2772,63 @@ class GracefulInterrupt:
         for s, old in self._old.items():
             signal.signal(s, old)
 
-def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
-    """Cross-entropy of the actions given their prompts (ACTION tokens with EOS, / n_tokens) and each one's log-prob."""
-    logp = action_logprobs(model, prompt_ids_list, action_ids_list, temperature=1.0)
-    return -torch.cat(logp).sum() / n_tokens, torch.stack([x.detach().sum() for x in logp]).tolist()  # one sync
 
-def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
-    """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
-    rollout prompts -> {"tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform over tools,
-    none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too, after one real step with a
-    tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed to 0."""
-    names, kinds = list(tools), [r.get("source") for r in rows]
-    order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, losses = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay), []
-    model.train()
-    for step in range(1, cfg.sft_steps + 1):
-        pool = [rows[i]["question"] for i in batch_indices(kinds, order, step, cfg.batch_size)]
-        texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
-        states = [(q, t, Memory(), 1) for q, t in zip(pool, texts)]  # (question, analysis, memory, turn)
-        if cfg.max_turns > 1:
-            draw = random.Random(f"sft-{cfg.seed}-{step}")  # (its own stream: the global ones stay as they were)
-            plans = [json.dumps({"tool_name": draw.choice(names), "sub_goal": q}) for q in pool]
-            firsts = solve_batch(pool, planner=lambda _: plans, frozen=frozen, tools=tools,
-                                 **{**agent_options(cfg), "max_turns": 1, "analysis": False})
-            states += [(q, t, st.memory, 2) for q, t, st in zip(pool, texts, firsts)]
-        pairs = [(*state, name) for state in states for name in names]  # B x (number of tools) rows, per turn
-        prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, m, turn, cfg.max_turns)),
-                                add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-                      for q, t, m, turn, _ in pairs]
-        actions = [torch.tensor(tokenizer(json.dumps({"tool_name": name, "sub_goal": q}), add_special_tokens=False)
-                                ["input_ids"] + [tokenizer.eos_token_id]) for q, _, _, _, name in pairs]
-        total, n_tokens, seq_logp = 0.0, sum(len(a) for a in actions), []
-        optimizer.zero_grad(set_to_none=True)
-        for i in range(0, len(pairs), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
-            loss, rows_logp = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
-            loss.backward()
-            total, seq_logp = total + loss.item(), seq_logp + rows_logp
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # linear decay to 0
-        optimizer.step()
-        losses.append(total)
-        # P(tool | prompt, sub-goal) averaged over the questions, before the update: RL never learns a rarely tried tool
-        choice = torch.tensor(seq_logp).view(-1, len(names)).softmax(1).mean(0).tolist()
-        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}; tool choice "
-            + ", ".join(f"{n.split('_')[0]} {p:.2f}" for n, p in zip(names, choice)))
-    return losses
+def warm_start_weights(out_dir: Path, cfg: Config) -> Optional[dict]:
+    """pi_ref's adapter: the warm start's (checkpoint-0) when the run has one and a KL term; None: the base."""
+    path, used = out_dir / "checkpoint-0" / "adapter_model.safetensors", cfg.sft_steps > 0 and cfg.kl_coef > 0
+    if used and not path.is_file():
+        raise SystemExit(f"error: {path} (the warm start, pi_ref of the KL term) is missing; start a new run")
+    return load_file(str(path)) if used else None
+
+
+def optimizer_steps(optimizer) -> int:
+    """AdamW steps taken so far (its per-parameter counters): whether an update has moved the weights since."""
+    return sum(int(state["step"]) for state in optimizer.state.values() if "step" in state)
+
+
+def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bool, rng: dict, *saving) -> None:
+    """A CUDA out-of-memory error in step `step`. Unless an optimizer step of it already ran (moved), the weights are
+    the last COMPLETE step's: saved, if not yet, with the random state before this step (rng). One line, the flags."""
+    torch.cuda.empty_cache()  # (a no-op without CUDA) room to write the checkpoint
+    if not moved and step > 1 and (last is None or last.name != f"checkpoint-{step - 1}"):
+        last = save_checkpoint(out_dir, step - 1, *saving, rng=rng)
+    raise SystemExit(f"error: out of GPU memory in step {step} (kept: {last or 'no checkpoint'}, metrics.jsonl); lower "
+                     f"--max-tokens-per-micro-batch (update) or --rollout-tokens (rollout), then --resume")
+
+
+# ======== 19. Evaluation ========
+
+def agent_counts(states: list[AgentState], tools: dict) -> Counter:
+    """For --eval's last line and the step metrics: turns, plans parsed, calls asked (tool:<name> per tool) and valid
+    in their schema, and the frozen roles' structured outputs (analysis, calls, verdicts asked) and how many parsed."""
+    c = Counter()
+    for st in states:
+        asked = [t for t in st.turns if t.plan is not None and t.plan.tool_name in tools]
+        c.update(f"tool:{t.plan.tool_name}" for t in asked)
+        verdicts = sum(t.verdict is not None for t in st.turns) + st.stats["parse_fail:verdict"]
+        structured = int(bool(st.analysis)) + len(asked) + verdicts  # (analysis "": --no-analysis asked no analyst)
+        failed = sum(st.stats[f"parse_fail:{role}"] for role in ("analysis", "call", "verdict"))
+        c.update(questions=1, turns=len(st.turns), plans=sum(t.plan is not None for t in st.turns), calls=len(asked),
+                 calls_valid=sum(t.call is not None for t in asked), tool_errors=st.stats["tool_error"],
+                 structured=structured, structured_valid=structured - failed)
+    return c
+
+
+def trajectory_metrics(states: list[AgentState], tools: dict) -> dict:
+    """Rates over a batch of trajectories; tool_share = each tool's share of the calls the planner asked for."""
+    c = agent_counts(states, tools)
+    def rate(part: str, whole: str) -> float:  # 0 for an empty whole
+        return c[part] / max(1, c[whole])
+    return {"turns_per_traj": rate("turns", "questions"), "plan_parse_rate": rate("plans", "turns"),
+            "tool_call_valid": rate("calls_valid", "calls"), "tool_error_rate": rate("tool_errors", "turns"),
+            "structured_valid": rate("structured_valid", "structured"),
+            "tool_share": {name: rate(f"tool:{name}", "calls") for name in tools}}
+
 
 def route(st: AgentState) -> str:
     """The tools of a trajectory's plans in order, each by its first word: 'Wikipedia>Python'."""
     return ">".join(t.plan.tool_name.split("_")[0] if t.plan else "(unparsed)" for t in st.turns) or "(none)"
+
 
 def greedy_eval(planner: Callable, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
@@ -2599,6 +2848,7 @@ def greedy_eval(planner: Callable, frozen: Engine, tools: dict, judge: Optional[
             "by_kind": {k: sum(v) / len(v) for k, v in by_kind.items()},
             "routes": {k: dict(v.most_common()) for k, v in routes.items()}, "counts": dict(c)}
 
+
 def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict],
                      cfg: Config) -> dict:
     """--eval-every: the planner being trained, greedy, on the held-out rows: the metrics.jsonl keys of a curve."""
@@ -2617,139 +2867,13 @@ def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optio
     return {"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_by_kind": result["by_kind"],
             "eval_routes": result["routes"], "eval_s": time.perf_counter() - t0}
 
-def warm_start_weights(out_dir: Path, cfg: Config) -> Optional[dict]:
-    """pi_ref's adapter: the warm start's (checkpoint-0) when the run has one and a KL term; None: the base."""
-    path, used = out_dir / "checkpoint-0" / "adapter_model.safetensors", cfg.sft_steps > 0 and cfg.kl_coef > 0
-    if used and not path.is_file():
-        raise SystemExit(f"error: {path} (the warm start, pi_ref of the KL term) is missing; start a new run")
-    return load_file(str(path)) if used else None
-
-def optimizer_steps(optimizer) -> int:
-    """AdamW steps taken so far (its per-parameter counters): whether an update has moved the weights since."""
-    return sum(int(state["step"]) for state in optimizer.state.values() if "step" in state)
-
-def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bool, rng: dict, *saving) -> None:
-    """A CUDA out-of-memory error in step `step`. Unless an optimizer step of it already ran (moved), the weights are
-    the last COMPLETE step's: saved, if not yet, with the random state before this step (rng). One line, the flags."""
-    torch.cuda.empty_cache()  # (a no-op without CUDA) room to write the checkpoint
-    if not moved and step > 1 and (last is None or last.name != f"checkpoint-{step - 1}"):
-        last = save_checkpoint(out_dir, step - 1, *saving, rng=rng)
-    raise SystemExit(f"error: out of GPU memory in step {step} (kept: {last or 'no checkpoint'}, metrics.jsonl); lower "
-                     f"--max-tokens-per-micro-batch (update) or --rollout-tokens (rollout), then --resume")
-
-def train(cfg: Config) -> Path:
-    """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
-    torch.manual_seed(cfg.seed)
-    device, out_dir = pick_device(cfg), Path(cfg.output_dir)
-    data_rows = prepare_data.load_questions(cfg.train_file, kinds=cfg.kinds)
-    kinds = [r["source"] for r in data_rows]  # batches deal them in turn (batch_indices)
-    digest = hashlib.sha256(json.dumps(data_rows, default=str).encode()).hexdigest()
-    train_data = f"{len(data_rows)} rows, sha256 {digest[:12]}"
-    last = resume_point(out_dir, cfg, train_data)
-    try:  # held while this process lives: two runs in one folder would mix their logs
-        lock = (out_dir / ".lock").open("w")
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
-    except OSError as e:  # an existing folder on a read-only disk, or another user's (before the model loads)
-        raise SystemExit(f"error: cannot write in --output-dir {out_dir}: {e.strerror}") from None
-    model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
-    optimizer, scheduler = make_optimizer(model, cfg)
-    start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
-    for name in ("metrics.jsonl", "rollouts.jsonl"):
-        trim_jsonl(out_dir / name, start if start else -1)  # (the step-0 evaluation is written again)
-    if last and start >= cfg.max_steps:
-        log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
-    if cfg.sft_steps > 0 and last is None:
-        sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
-        last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
-    ref_weights = warm_start_weights(out_dir, cfg)
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
-        f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
-    eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds) if cfg.eval_every else []
-    held_out = functools.partial(held_out_metrics, model, tokenizer, frozen, tools, judge, eval_rows, cfg)
-    if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
-        with open(out_dir / "metrics.jsonl", "a") as mf:
-            mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
-    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
-            open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf, \
-            tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
-                 dynamic_ncols=True) as bar:
-        for step in bar:
-            batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
-            moved, rng = optimizer_steps(optimizer), rng_state()  # (after an out-of-memory error: as before the step)
-            try:
-                metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
-                                                      tools, cfg, step, data_rows, ref_weights)
-            except torch.cuda.OutOfMemoryError:
-                stop_out_of_memory(out_dir, step, last, optimizer_steps(optimizer) != moved, rng, model, optimizer,
-                                   scheduler, cfg, train_data)
-            if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                metrics.update(held_out())
-            mf.write(json.dumps(metrics) + "\n")
-            rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
-                          for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
-            if 0 < metrics["engine_requests"] == metrics["engine_failures"]:  # the server is down: stop, do not save
-                raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
-                                 f"(see the lines above); stopped - once the server is back, continue with --resume")
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
-                            kl=f"{metrics['kl']:.4f}")
-            if step % cfg.save_every == 0 or step == cfg.max_steps or interrupt.requested:
-                last = save_checkpoint(out_dir, step, model, optimizer, scheduler, cfg, train_data)
-            if interrupt.requested:
-                log(f"stopped after step {step}; resume with --resume --output-dir {out_dir}")
-                break
-    return last
-
-def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
-                       lr: float = 2e-2, turns: int = 1) -> list:
-    """The tiny model on a toy task: mean reward per step. The trainer's own sampling, advantages, loss and update, so a
-    rising curve shows the update's sign and scale are right. lr 2e-2: higher, a solved seed (all advantages 0) can
-    drift back on Adam's scaled-up KL gradient.
-    turns=1: reward = the share of digits in the action (d1).
-    turns=2: 'look up a number, then say it in words'. Turn 2's prompt holds turn 1's action, and its one token must
-    NOT be a digit: reward = d1 * part2, ONE number per trajectory, its advantage broadcast to both turns' rows; per
-    step (reward, d1, part2). Turn 1's digits drift into turn 2 (a small model's output moves along one direction
-    for every prompt): only turn 2's own rows pull it back (test_learning_toy_two_turns_turn2_learns_from_its_own_rows).
-    agg 'token-mean': under 'turn' turn 2's one token weighs as much as turn 1's eight and slows turn 1."""
-    cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
-                 max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
-                 gradient_checkpointing=False, agg="turn" if turns == 1 else "token-mean",
-                 # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
-                 lora_targets=Config.lora_targets + ",lm_head")
-    torch.manual_seed(seed)
-    model, tokenizer = load_policy(cfg, "cpu", trainable=True)
-    optimizer, scheduler = make_optimizer(model, cfg)
-    prompts = [render_chat(tokenizer, f"Reply with digits only. Task {i}.") for i in range(batch) for _ in range(group)]
-    digits = lambda text: sum(c.isdigit() for c in text) / max(1, len(text))  # the digits' share
-    curve = []
-    for step in range(1, steps + 1):
-        model.eval()
-        acts = [sample_actions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature)]
-        rewards = d1 = [digits(s.text) for s in acts[0]]  # acts[turn][trajectory]
-        if turns == 2:  # turn 2's prompt holds turn 1's action; raw text, so that it ENDS differently from turn 1's
-            follow = [f"Task {i // group}. Step 1 found {s.text}. Step 2, in words:" for i, s in enumerate(acts[0])]
-            acts.append(sample_actions(model, tokenizer, follow, max_new_tokens=1, temperature=cfg.temperature))
-            part2 = [1 - digits(s.text) if s.text.strip() else 0.0 for s in acts[1]]  # (an empty reply is no word)
-            rewards = [a * b for a, b in zip(d1, part2)]
-        adv_B = group_advantages(rewards, [i // group for i in range(len(rewards))])
-        rows = [Row(**vars(s), advantage=float(a), traj_id=i)  # a row per turn, its trajectory's advantage
-                for turn in acts for i, (s, a) in enumerate(zip(turn, adv_B))]
-        fill_old_and_ref(model, rows, cfg, step)
-        update_policy(model, optimizer, rows, cfg, step)
-        scheduler.step()
-        n = len(rewards)
-        curve.append(sum(rewards) / n if turns == 1 else (sum(rewards) / n, sum(d1) / n, sum(part2) / n))
-    return curve
-
-# ======== 15. Evaluation and the command line ========================================================
 
 def build_agent(cfg: Config, device: str):
     """For --ask/--eval: the frozen engine, tools, judge and a greedy planner (the policy, --adapter when given)."""
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=False)
     return frozen, tools, judge, LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens,
                                              max_batch_tokens=cfg.rollout_tokens)
+
 
 def scripted_planner(names: list[str]) -> Callable[[list[str]], list[str]]:
     """--plan-tools A,B: a planner that names tool A at turn 1, B at turn 2 (and the last one after), with the
@@ -2762,6 +2886,7 @@ def scripted_planner(names: list[str]) -> Callable[[list[str]], list[str]]:
             out.append(json.dumps({"tool_name": names[min(turn, len(names)) - 1], "sub_goal": question}))
         return out
     return plan
+
 
 def evaluate(cfg: Config, device: str) -> dict:
     """--eval: greedy solve of the validation set in batches of B x G; the LAST stdout line counts what happened."""
@@ -2780,11 +2905,15 @@ def evaluate(cfg: Config, device: str) -> dict:
           f"{c.get('structured_valid', 0)}/{c.get('structured', 0)}")
     return result
 
+
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     frozen, tools, _, planner = build_agent(cfg, device)
     st = solve_batch([cfg.ask], planner=planner.generate, frozen=frozen, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
+
+
+# ======== 20. Benchmark and plots ========
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> None:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
@@ -2815,6 +2944,7 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
     print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
           f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
 
+
 def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
     """The config's worst step: every trajectory at max_turns, every action max_new_tokens long, prompts as 2,000-
     character results make them (~1,100 tokens at turn 1, +950 a turn); a group's turn-1 rows share their prompt.
@@ -2824,6 +2954,7 @@ def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
     return [Row(prompt_ids=ids((1100 + 950 * t) // shrink, i // cfg.group_size if t == 0 else 1000 * i + t + 100),
                 action_ids=ids(cfg.max_new_tokens, -1 - i), logprobs=torch.zeros(0), advantage=i % 2 - 0.5, traj_id=i)
             for i in range(cfg.batch_size * cfg.group_size) for t in range(cfg.max_turns)]
+
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """On CPU, the bytes of the tensors made inside, alive now and at most, as a GPU's allocator counts them (not CPU
@@ -2847,6 +2978,7 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self.now -= size
         self.alive.pop(key, None)
 
+
 def peak_memory(device: str, fn: Callable[[], Any]) -> tuple[float, float]:
     """(bytes at fn's peak beyond those allocated before, seconds): CUDA's allocator's counter, or LiveBytes on CPU."""
     t0, base = time.perf_counter(), torch.cuda.memory_allocated() if device == "cuda" else 0
@@ -2855,6 +2987,7 @@ def peak_memory(device: str, fn: Callable[[], Any]) -> tuple[float, float]:
     with contextlib.nullcontext() if device == "cuda" else LiveBytes() as live:
         fn()  # (its last .item() or .cpu() waits for the GPU)
     return (torch.cuda.max_memory_allocated() - base if live is None else live.peak), time.perf_counter() - t0
+
 
 def worst_case(cfg: Config, device: str) -> None:
     """--benchmark --model qwen2.5-1.5b-shape: peak memory and time of the worst rollout (the last turn's planner call,
@@ -2903,6 +3036,7 @@ def worst_case(cfg: Config, device: str) -> None:
               f"{found[layers[-1], phase][1]:.1f} s ({cfg.dtype}; " + ("measured at 28 layers)" if shrink == 1 else
               "CPU: 2 and 4 layers at lengths / 16, extrapolated to 28 layers and full lengths; 4 layers' time)"))
 
+
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     """--benchmark: rollouts, each phase split into the model's forward passes (hooks, GPU waited for) and the rest."""
     if cfg.model.split(":")[0] == SHAPE_MODEL:
@@ -2917,6 +3051,7 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
     rollout(model, tokenizer, questions[:1], cfg, frozen, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, model {cfg.model} on {device}")
     _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools)
+
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
     """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
@@ -2933,6 +3068,49 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
     plt.legend()
     plt.savefig(path, dpi=100)
     print(f"wrote {path}")
+
+
+def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
+                       lr: float = 2e-2, turns: int = 1) -> list:
+    """The tiny model on a toy task: mean reward per step. The trainer's own sampling, advantages, loss and update, so a
+    rising curve shows the update's sign and scale are right. lr 2e-2: higher, a solved seed (all advantages 0) can
+    drift back on Adam's scaled-up KL gradient.
+    turns=1: reward = the share of digits in the action (d1).
+    turns=2: 'look up a number, then say it in words'. Turn 2's prompt holds turn 1's action, and its one token must
+    NOT be a digit: reward = d1 * part2, ONE number per trajectory, its advantage broadcast to both turns' rows; per
+    step (reward, d1, part2). Turn 1's digits drift into turn 2 (a small model's output moves along one direction
+    for every prompt): only turn 2's own rows pull it back (test_learning_toy_two_turns_turn2_learns_from_its_own_rows).
+    agg 'token-mean': under 'turn' turn 2's one token weighs as much as turn 1's eight and slows turn 1."""
+    cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
+                 max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
+                 gradient_checkpointing=False, agg="turn" if turns == 1 else "token-mean",
+                 # the LM head too: a 64-wide random model cannot move its output logits far enough otherwise
+                 lora_targets=Config.lora_targets + ",lm_head")
+    torch.manual_seed(seed)
+    model, tokenizer = load_policy(cfg, "cpu", trainable=True)
+    optimizer, scheduler = make_optimizer(model, cfg)
+    prompts = [render_chat(tokenizer, f"Reply with digits only. Task {i}.") for i in range(batch) for _ in range(group)]
+    digits = lambda text: sum(c.isdigit() for c in text) / max(1, len(text))  # the digits' share
+    curve = []
+    for step in range(1, steps + 1):
+        model.eval()
+        acts = [sample_actions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=cfg.temperature)]
+        rewards = d1 = [digits(s.text) for s in acts[0]]  # acts[turn][trajectory]
+        if turns == 2:  # turn 2's prompt holds turn 1's action; raw text, so that it ENDS differently from turn 1's
+            follow = [f"Task {i // group}. Step 1 found {s.text}. Step 2, in words:" for i, s in enumerate(acts[0])]
+            acts.append(sample_actions(model, tokenizer, follow, max_new_tokens=1, temperature=cfg.temperature))
+            part2 = [1 - digits(s.text) if s.text.strip() else 0.0 for s in acts[1]]  # (an empty reply is no word)
+            rewards = [a * b for a, b in zip(d1, part2)]
+        adv_B = group_advantages(rewards, [i // group for i in range(len(rewards))])
+        rows = [Row(**vars(s), advantage=float(a), traj_id=i)  # a row per turn, its trajectory's advantage
+                for turn in acts for i, (s, a) in enumerate(zip(turn, adv_B))]
+        fill_old_and_ref(model, rows, cfg, step)
+        update_policy(model, optimizer, rows, cfg, step)
+        scheduler.step()
+        n = len(rewards)
+        curve.append(sum(rewards) / n if turns == 1 else (sum(rewards) / n, sum(d1) / n, sum(part2) / n))
+    return curve
+
 
 def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 30) -> None:
     """--learning-curve: the one- and two-turn toy tasks for 3 seeds; reward per step as a text chart (two turns: each
@@ -2952,6 +3130,7 @@ def learning_curve(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), steps: int =
               **{f"two turns, seed {s}": [r for r, *_ in c] for s, c in zip(seeds, two)}},
              "mean reward (share of digits; two turns: d1 x part2)",
              "Flow-GRPO update on the toy tasks (tiny random Qwen2, CPU)")
+
 
 def plot_run(cfg: Config) -> None:
     """--plot: per step of the run in --output-dir: reward, plan-parse rate, each tool's share (a table, curve.png),
@@ -2984,6 +3163,53 @@ def plot_run(cfg: Config) -> None:
         save_png(Path(cfg.output_dir) / png, [m["step"] for m in rows], series,
                  "mean / share / accuracy per step", f"Flow-GRPO run in {cfg.output_dir}")
 
+
+# ======== 21. CLI ========
+
+CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "row"),
+           "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
+           "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A flag per Config field; defaults SUPPRESSed, so parse_args returns only the flags typed (they beat presets)."""
+    p = argparse.ArgumentParser(description="Flow-GRPO: train the planner of a tool-using agent (see flow_grpo.py).")
+    for f in dataclasses.fields(Config):
+        kind = type(f.default)  # booleans are switches (--no-x turns one off again), the rest take a typed value
+        how = (dict(action=argparse.BooleanOptionalAction) if kind is bool
+               else dict(type=kind, choices=CHOICES.get(f.name), metavar=kind.__name__.upper()))
+        p.add_argument("--" + f.name.replace("_", "-"), default=argparse.SUPPRESS,
+                       help=f"{f.metadata['help']} (default: {f.default!r})", **how)
+    return p
+
+
+def parse_config(argv: Optional[list[str]] = None) -> Config:
+    """Defaults < preset < flags typed on the command line. Bad choices are one clear error line."""
+    typed = vars((parser := build_parser()).parse_args(argv))
+    cfg = Config(**{**PRESETS.get(typed.get("preset", ""), {}), **typed})
+    modes = [m for m in ("ask", "eval", "benchmark", "learning_curve", "plot") if getattr(cfg, m)]
+    if len(modes) > 1:
+        parser.error(f"choose one of --ask, --eval, --benchmark, --learning-curve, --plot (got {len(modes)})")
+    known = Config.tools.split(",")  # the default enables every tool there is
+    if not tool_names(cfg) or any(t not in known for t in tool_names(cfg)):
+        parser.error(f"--tools must name one or more of {known}, not {cfg.tools!r}")
+    if cfg.plan_tools and (not cfg.eval or any(t not in tool_names(cfg) for t in cfg.plan_tools.split(","))):
+        parser.error(f"--plan-tools is for --eval, with tools of --tools {tool_names(cfg)}, not {cfg.plan_tools!r}")
+    for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps", "dynamic_sampling"):
+        if getattr(cfg, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
+    if cfg.scripted_roles and (cfg.verify or cfg.analysis or cfg.judge != "rule" or "Web_RAG_Search_Tool" in cfg.tools):
+        parser.error("--scripted-roles has no stand-in for the verifier, the analyst, an LLM judge or the web tool's "
+                     "reader: add --no-verify --no-analysis (and --judge rule, --tools without Web_RAG_Search_Tool)")
+    if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
+        parser.error(f"--clip-ratio-c must be > 1, or 0 for off, not {cfg.clip_ratio_c!r}")
+    for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
+                 "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every", "lora_r"):
+        if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
+            parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
+    return cfg
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = parse_config(argv)
     if "OMP_NUM_THREADS" not in os.environ and (cfg.learning_curve or pick_device(cfg) == "cpu"):
@@ -3004,6 +3230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         train(cfg)
     return 0
+
 
 if __name__ == "__main__":
     try:
