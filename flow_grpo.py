@@ -25,15 +25,17 @@ Every turn is trained with ITS OWN prompt s_it, which already holds the memory a
 environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the policy RL starts
 from: the base (the LoRA adapter switched off) or, after an SFT warm start, the warm start's adapter swapped in.
 
-WHERE THE ALGORITHM IS. Sections 3 to 6, right after the config, are Flow-GRPO itself: torch and a model, no agent.
-    3  sample_actions     sample the planner's actions, keeping log softmax(raw logits / T) of every token
-    3  action_logprobs    the same log-probs recomputed, batched and differentiable (each distinct prompt once)
-    4  group_advantages   A_i from the rewards of each group of G trajectories
-    5  grpo_loss          clipped ratio (with verl's dual clip), k3 KL, three aggregations of the token losses
-    6  update_policy      minibatches with exact gradient accumulation, gradient clip, optimizer step
-  Then the agent that produces the trajectories: 7 LLM engines, 8 output schemas, 9 memory, 10 tools and the sandbox,
-  11 the agent loop; 12 the rollout (agent + sampler: one training row per planner turn), 13 the reward, 14 the
-  training loop and checkpoints, 15 evaluation and the command line.
+HOW TO READ IT. Two parts. Part I is the method end to end, in the order a step runs; a first reading can stop
+where Part II begins (its banner says so). Part II is the machinery Part I calls by name; each of its sections opens
+with one line on what it gives Part I, and where Part I calls it, a comment names the section.
+  Part I   2 Config and presets          3 sample_actions, action_logprobs: the log-probs of every action token
+           4 group_advantages            5 grpo_loss: clipped ratio, dual clip, k3 KL, three aggregations
+           6 update_policy: minibatches, exact gradient accumulation    7 the plan format (NextStep)
+           8 Memory    9 solve_batch: the agent loop    10 rollout: one training row per planner turn
+           11 the reward    12 train_step: one step on one screen    13 train: the warm start and the loop
+  Part II  14 LLM engines and constrained decoding    15 the Python sandbox    16 tools (and the scripted roles)
+           17 the judge's rules    18 models, checkpoints, resume    19 evaluation    20 benchmark and plots
+           21 the command line
   Tensor names end in their shape: B rows (trajectories, or turns), A action tokens, P prompt tokens, V vocabulary,
   L columns (prompt and action tokens), U distinct prompts; in sample_actions R the rows still decoding.
 
@@ -41,11 +43,11 @@ SFT -> RL, FOR SMALL MODELS. A 135M model writes no parseable plan, so its group
 --sft-steps N first fits format-only plans, each question with every tool (cross-entropy); GRPO then learns WHICH.
 
 HOW TO RUN (the tests: python -m pytest -q, on CPU and offline)
-    python prepare_data.py && python flow_grpo.py   # fetch the data; train Qwen2.5-1.5B-Instruct's planner on one GPU
-    python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
     python flow_grpo.py --learning-curve   # any CPU, seconds: the update on one- and two-turn toys (tiny model)
     python flow_grpo.py --preset cpu     # SmolLM2-135M offline on CPU: SFT, then GRPO on the tools task ('smoke': tiny)
-    python flow_grpo.py --preset scripted-roles   # two-turn plans, every frozen role an exact rule (section 10)
+    python flow_grpo.py --preset scripted-roles   # two-turn plans, every frozen role an exact rule (section 16)
+    python prepare_data.py && python flow_grpo.py   # fetch the data; train Qwen2.5-1.5B-Instruct's planner on one GPU
+    python flow_grpo.py --eval --adapter runs/flow_grpo/checkpoint-200      # accuracy on AIME 2024
 
 DELIBERATE SIMPLIFICATIONS (and why)
   * One process, one GPU: the frozen roles (executor, verifier, query analysis, final answer, the tools' LLM) run on
@@ -259,20 +261,9 @@ def log(msg: str) -> None:
 
 
 # ======== 3. Sampling with log-prob capture ========
-
 # Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
 # logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
 # penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
-
-USAGE, _USAGE_LOCK = Counter(), threading.Lock()  # what the models did since the start (below)
-
-
-def usage(**add: float) -> Counter:
-    """Add to USAGE: tokens generated (gen_tokens), outputs cut at the token limit (hit_limit), under --benchmark
-    seconds in forward passes (forward_s); returns a copy (usage() reads it). timed() splits it by rollout phase."""
-    with _USAGE_LOCK:
-        USAGE.update(add)
-        return USAGE.copy()
 
 
 @dataclass
@@ -283,6 +274,7 @@ class Sample:
     action_ids: torch.Tensor  # [A] up to and including EOS when one was produced
     logprobs: torch.Tensor  # [A] behaviour log-probs of action_ids
     text: str = ""  # the action decoded, special tokens dropped
+    hit_limit: bool = False  # True when max_new_tokens ended it before a stop token
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -306,28 +298,38 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         logp_RV = log_softmax(logits_RV / T)         the exact distribution we sample from; the update recomputes it
         tok_R = multinomial(exp(logp_RV))
         logp_BA[rows_R, step] = logp_RV[tok_R]       kept: the behaviour log-prob of each row's new token
-    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded: each row's next token goes in the same column:
+    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded, so each row's next token goes in the same
+    column:
         ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
     Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
-    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), its
-    KV cache copied to its rows. A row that ends leaves the batch and the cache.
-    choose(rows_R, logits_RV) -> tok_R replaces the sampling (the frozen roles' greedy, schema-masked choice: section
-    7); no log-probs are computed then (they stay 0)."""
+    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), and
+    its KV cache is copied to its rows. A row that ends leaves the batch and the cache.
+    choose(rows_R, logits_RV) -> tok_R replaces the sampling: the frozen roles decode greedily under a JSON schema
+    through this same loop (Part II, section 14). No log-probs are computed then (they stay 0)."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
     enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids_UP, mask_UP = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    ids_UP = enc["input_ids"].to(device)
+    mask_UP = enc["attention_mask"].to(device)
     src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
-    B, P = len(prompts), ids_UP.shape[1]
+    B = len(prompts)
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+
+    # Prefill: one forward pass over the distinct prompts; each of the B rows gets its prompt's last logits and cache.
     pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-    logits_RV, mask_RL, next_pos_R, cache = out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1, out.cache
+    cache = out.cache
     if len(distinct) < B:  # row b gets a copy of its prompt's keys and values (all distinct: nothing to copy)
         cache.batch_select_indices(src_B)
+    logits_RV = out.logits[src_B, -1]
+    mask_RL = mask_UP[src_B]
+    next_pos_R = pos_UP[src_B, -1] + 1
+
+    # Decode: one token per row still going, until every row has stopped or the limit is reached.
     rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
-    tok_BA, logp_BA = (torch.zeros(B, max_new_tokens, dtype=d, device=device) for d in (torch.long, torch.float))
+    tok_BA = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
+    logp_BA = torch.zeros(B, max_new_tokens, device=device)
     length_B = torch.zeros(B, dtype=torch.long, device=device)  # action lengths, stop token included
     for step in range(max_new_tokens):
         if choose is None:
@@ -341,31 +343,41 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         going_R = ~torch.isin(tok_R, stops)
         if not going_R.any() or step == max_new_tokens - 1:
             break
-        if not going_R.all():  # a dead row would be computed at every later step
-            keep = drop_ended_rows(cache, going_R, keep_order=choose is None)
-            rows_R, tok_R, mask_RL, next_pos_R = rows_R[keep], tok_R[keep], mask_RL[keep], next_pos_R[keep]
+        if not going_R.all():  # a row that ended leaves the batch and the cache: no compute for it at later steps
+            if choose is None:  # sampled rows keep their order: a seed's draws stay on their rows
+                keep_K = going_R.nonzero().squeeze(1)
+                cache.batch_select_indices(keep_K)
+            else:  # greedy rows may change places, which copies less (Part II, section 14)
+                keep_K = drop_ended_rows(cache, going_R)
+            rows_R = rows_R[keep_K]
+            tok_R = tok_R[keep_K]
+            mask_RL = mask_RL[keep_K]
+            next_pos_R = next_pos_R[keep_K]
         mask_RL = torch.cat([mask_RL, mask_RL.new_ones(len(rows_R), 1)], dim=1)
         logits_RV = model(input_ids=tok_R[:, None], attention_mask=mask_RL, position_ids=next_pos_R[:, None],
                           cache=cache, use_cache=True).logits[:, -1]
         next_pos_R = next_pos_R + 1
-    usage(gen_tokens=int(length_B.sum()), hit_limit=int(going_R.sum()))  # rows still going hit the limit
-    tok_BA, logp_BA = tok_BA.cpu(), logp_BA.cpu()
+    cut = set(rows_R[going_R].tolist())  # the rows still going at the end: the token limit stopped them
+    tok_BA = tok_BA.cpu()
+    logp_BA = logp_BA.cpu()
+    P = ids_UP.shape[1]
     prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
     return [Sample(prompt_ids=prompt_ids_U[u], action_ids=tok_BA[b, :n], logprobs=logp_BA[b, :n],
-                   text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True))
+                   text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True), hit_limit=b in cut)
             for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
 
 def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens: int, max_rows: int = 0) -> list:
-    """Indices of consecutive prompts decoded together, their KV cache, rows x (longest prompt + new tokens), under
-    max_tokens, and max_rows rows (0 = no cap). All in one chunk where they fit: the draws of one call."""
+    """Indices of consecutive prompts decoded together: their KV cache, rows x (longest prompt + new tokens), stays
+    under max_tokens, and a chunk holds at most max_rows rows (0 = no cap). All prompts go in one chunk where they
+    fit: then the draws are those of one call."""
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if max_tokens else []
     chunks: list[list[int]] = []
     for i in range(len(prompts)):
         grown = chunks[-1] + [i] if chunks else []
         rows_fit = grown and (not max_rows or len(grown) <= max_rows)
-        if rows_fit and (not max_tokens or len(grown) * (max(lengths[j] for j in grown) + max_new_tokens)
-                         <= max_tokens):
+        tokens = len(grown) * (max(lengths[j] for j in grown) + max_new_tokens) if grown and max_tokens else 0
+        if rows_fit and tokens <= max_tokens:
             chunks[-1].append(i)
         else:
             chunks.append([i])
@@ -374,30 +386,33 @@ def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
-    """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. The U DISTINCT
-    prompts (a group's rows share their turn-1 prompt) run once, left-padded, their KV cache indexed to the B rows by
-    src_B (autograd sums the copies' gradients back); the right-padded actions follow. Token j is predicted by the
-    column before it: the prompt's last for j = 0, its only column with logits (a long prompt's would not fit). Pads
-    are masked, their id irrelevant, their logits unread. Gradient checkpointing keeps no KV cache: rows run whole."""
+    """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. The plain way (the
+    one gradient checkpointing takes, as it keeps no KV cache): every row runs prompt + action, left-padded prompts,
+    right-padded actions. Token j is predicted by the column before it, the prompt's last for j = 0. The fast way: the
+    U DISTINCT prompts (a group's rows share their turn-1 prompt) run once, their KV cache indexed to the B rows by
+    src_B (autograd sums the copies' gradients back), then the actions; only the prompt's last column is turned into
+    logits (a long prompt's would not fit). Pads are masked, their id irrelevant, their logits unread."""
     device = next(model.parameters()).device
     keys = [tuple(p.tolist()) for p in prompt_ids_list]
     distinct = list(dict.fromkeys(keys))
     src_B = torch.tensor([distinct.index(k) for k in keys], device=device)
-    P, A = max(map(len, distinct)), max(len(a) for a in action_ids_list)
+    P = max(map(len, distinct))
+    A = max(len(a) for a in action_ids_list)
     ids_UP = torch.tensor([[0] * (P - len(p)) + list(p) for p in distinct], device=device)
     mask_UP = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in distinct], device=device)
     ids_BA = torch.tensor([a.tolist() + [0] * (A - len(a)) for a in action_ids_list], device=device)
     mask_BA = torch.tensor([[1] * len(a) + [0] * (A - len(a)) for a in action_ids_list], device=device)
     pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
-    pos_BA, mask_BL = pos_UP[src_B, -1:] + 1 + torch.arange(A, device=device), torch.cat([mask_UP[src_B], mask_BA], 1)
-    if not getattr(model, "is_gradient_checkpointing", False):
+    pos_BA = pos_UP[src_B, -1:] + 1 + torch.arange(A, device=device)
+    mask_BL = torch.cat([mask_UP[src_B], mask_BA], 1)
+    if getattr(model, "is_gradient_checkpointing", False):  # plain: whole rows
+        logits_BAV = model(input_ids=torch.cat([ids_UP[src_B], ids_BA], 1), attention_mask=mask_BL, use_cache=False,
+                           position_ids=torch.cat([pos_UP[src_B], pos_BA], 1), logits_to_keep=A + 1).logits[:, :-1]
+    else:  # fast: each distinct prompt once
         out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
         out.cache.batch_select_indices(src_B)  # row b's copy of its prompt's keys and values
         after = model(input_ids=ids_BA, attention_mask=mask_BL, position_ids=pos_BA, cache=out.cache, use_cache=True)
         logits_BAV = torch.cat([out.logits[src_B], after.logits[:, :-1]], dim=1)
-    else:
-        logits_BAV = model(input_ids=torch.cat([ids_UP[src_B], ids_BA], 1), attention_mask=mask_BL, use_cache=False,
-                           position_ids=torch.cat([pos_UP[src_B], pos_BA], 1), logits_to_keep=A + 1).logits[:, :-1]
     logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
     logp_BA = logp_BAV.gather(-1, ids_BA[:, :, None]).squeeze(-1)
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
@@ -783,8 +798,10 @@ class Memory:
 
 # ======== 9. The agent loop ========
 
-# solve_batch() advances many questions in lockstep, one batched engine call per phase (--ask: a batch of one; a
-# rollout: B x G). The planner is any function prompts -> outputs (strings or objects with `.text`).
+# Query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer. solve_batch() advances many
+# questions in lockstep, one batched engine call per phase (--ask: a batch of one; a rollout: B x G). The frozen
+# roles are an Engine (Part II, section 14): engine.generate(prompts, schema=...) gives texts, or objects of the
+# schema (None where unparsed). The tools are Tools (section 16): tool(arguments) runs one call.
 
 def describe_tools(tools: dict) -> str:
     return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
@@ -856,31 +873,47 @@ class AgentState:
     stats: Counter = field(default_factory=Counter)  # parse failures (per role), tool errors
 
 
+@dataclass
+class PhaseTime:
+    """One rollout phase's account (planner, fixed, tools): its wall-clock seconds, the tokens it generated, the
+    outputs the token limit cut, and its (start, end) spans (--benchmark tells the forward passes in them apart)."""
+    seconds: float = 0.0
+    gen_tokens: int = 0
+    hit_limit: int = 0
+    spans: list = field(default_factory=list)
+
+
 @contextlib.contextmanager
-def timed(timings: Optional[dict], key: str):
-    """Add the block's seconds to timings[key] and what USAGE counted meanwhile to timings[f"{name}_{key}"]."""
-    t0, before = time.perf_counter(), usage()
-    yield
-    if timings is not None:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-        for name, n in (usage() - before).items():  # gen_tokens_fixed, hit_limit_tools, forward_s_planner...
-            timings[f"{name}_{key}"] = timings.get(f"{name}_{key}", 0) + n
+def timed(timings: Optional[dict], phase: str, engine: Optional[Engine] = None):
+    """Account the block to timings[phase], a PhaseTime (yielded, so that the block can add its own counts): its
+    seconds and span, and what `engine` generated meanwhile (an engine counts its own tokens, as its requests).
+    timings None: nothing is kept."""
+    account = PhaseTime() if timings is None else timings.setdefault(phase, PhaseTime())
+    before = Counter(getattr(engine, "generated", {}))
+    start = time.perf_counter()
+    yield account
+    end = time.perf_counter()
+    account.seconds += end - start
+    account.spans.append((start, end))
+    made = Counter(getattr(engine, "generated", {})) - before
+    account.gen_tokens += made["gen_tokens"]
+    account.hit_limit += made["hit_limit"]
 
 
 def write_calls(live: list[AgentState], plans: list, frozen: Engine, tools: dict, timings: Optional[dict],
                 scripted: bool = False) -> list:
     """Per plan, the executor's arguments, decoded under its tool's own input model (one batch per tool), or None.
     Arguments alone: no other tool, no invented keys, and no forced "tool_name" for a small model to copy into them.
-    scripted: the rule-based executor (scripted_call) instead."""
+    scripted: the rule-based executor (scripted_call, Part II, section 16) instead."""
     calls: list[Optional[dict]] = [None] * len(live)
     todo = [i for i, p in enumerate(plans) if p is not None and p.tool_name in tools]
     if scripted:
         return [scripted_call(plans[i], tools[plans[i].tool_name]) if i in todo else None for i in range(len(live))]
     for name in sorted({plans[i].tool_name for i in todo}):
         rows = [i for i in todo if plans[i].tool_name == name]
-        with timed(timings, "fixed"):
+        with timed(timings, "fixed", frozen):
             made = frozen.generate([executor_prompt(live[i].question, plans[i], tools[name]) for i in rows],
-                                  schema=tools[name].input_model)
+                                   schema=tools[name].input_model)
         for i, c in zip(rows, made):
             calls[i] = c and c.model_dump()
     return calls
@@ -904,13 +937,16 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
         return command, {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
-def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], frozen: Engine, tools: dict,
-                max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
+def solve_batch(questions: list[str], *, planner: Callable[[list[str], list[AgentState]], list], frozen: Engine,
+                tools: dict, max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 analysis: bool = True, timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
     """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis;
-    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools)."""
+    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools).
+    planner(prompts, states) -> one output per live trajectory: a string, or a Sample (its .text). The prompts are the
+    states s_t as text, what a trained planner reads; the states are the same as data (question, turns so far), what
+    a scripted planner reads (--plan-tools)."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
-    with timed(timings, "fixed"):
+    with timed(timings, "fixed", frozen):
         for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
             st.analysis = text
             st.stats["parse_fail:analysis"] += text == "(no analysis)"
@@ -920,19 +956,24 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         if not live:
             break
         # 1) PLAN: one batched call for every live trajectory - the only trained step.
-        with timed(timings, "planner"):
-            outputs = planner([planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns)
-                               for st in live])
+        with timed(timings, "planner") as account:
+            prompts = [planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns) for st in live]
+            outputs = planner(prompts, live)
+            samples = [o for o in outputs if isinstance(o, Sample)]
+            account.gen_tokens += sum(len(s.action_ids) for s in samples)
+            account.hit_limit += sum(s.hit_limit for s in samples)
         texts = [getattr(o, "text", o) for o in outputs]
         plans = [parse_structured(t, NextStep) for t in texts]
         # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
         calls = write_calls(live, plans, frozen, tools, timings, scripted)
         # 3) TOOLS: run concurrently (they wait on subprocesses, HTTP and LLM calls), within the phase deadline.
-        with timed(timings, "tools"):
+        with timed(timings, "tools", frozen):
             ran = run_in_threads(lambda pcm: run_step(tools, *pcm), list(zip(plans, calls, [st.memory for st in live])),
                                  slots, frozen.phase_timeout_s, "tool calls")
-        ran = [r or ({"tool_name": p.tool_name, "arguments": c} if c is not None else None,  # a valid call, too slow
-                     {"error": f"no result within {frozen.phase_timeout_s:g} s"}) for r, p, c in zip(ran, plans, calls)]
+        for i, (plan, call) in enumerate(zip(plans, calls)):
+            if ran[i] is None:  # no result within the deadline; a valid call that was too slow is still shown
+                command = {"tool_name": plan.tool_name, "arguments": call} if call is not None else None
+                ran[i] = (command, {"error": f"no result within {frozen.phase_timeout_s:g} s"})
         # 4) MEMORY: the step's outcome (or its error) for the next prompts; the turn is recorded.
         for st, text, plan, call, (command, result), out in zip(live, texts, plans, calls, ran, outputs):
             st.memory.add(plan.tool_name if plan else "(none)", plan.sub_goal if plan else "", command, result)
@@ -943,17 +984,19 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str]], list], f
         # 5) VERIFY: one batched verifier call decides, per trajectory, whether to stop.
         if turn == max_turns or not verify:  # (after the last turn a verdict would change nothing)
             continue
-        with timed(timings, "fixed"):
+        with timed(timings, "fixed", frozen):
             verdicts = frozen.generate([verifier_prompt(st.question, st.analysis, st.memory) for st in live],
-                                      schema=Verification)
+                                       schema=Verification)
         for st, v in zip(live, verdicts):
             st.turns[-1].verdict = v
             st.stats["parse_fail:verdict"] += v is None
             st.done = bool(v and v.stop_signal)  # an unreadable verdict means CONTINUE
     # 6) ANSWER: the generator writes the final answer for every trajectory (stopped or out of turns).
-    with timed(timings, "fixed"):
-        finals = ([scripted_answer(st.memory) for st in states] if scripted else
-                  frozen.generate([answer_prompt(st.question, st.memory) for st in states]))
+    with timed(timings, "fixed", frozen):
+        if scripted:  # the rule-based answer writer (Part II, section 16)
+            finals = [scripted_answer(st.memory) for st in states]
+        else:
+            finals = frozen.generate([answer_prompt(st.question, st.memory) for st in states])
     for st, text in zip(states, map(str.strip, finals)):
         st.final_output = text if re.search(r"<answer>", text, re.I) else f"<answer>{text}</answer>"
     return states
@@ -972,7 +1015,7 @@ def format_trajectory(st: AgentState) -> str:
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
 
-# ======== 10. Rollout ========
+# ======== 10. The rollout: one training row per planner turn ========
 
 # One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
 # model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
@@ -983,13 +1026,17 @@ MODEL_LOCK = threading.Lock()
 def rollout(model, tokenizer, questions: list[str], cfg: Config, frozen: Engine, tools: dict, *, group_size: int,
             timings: Optional[dict] = None, share_prefill: bool = True) -> list[AgentState]:
     """B questions x G samples in lockstep (trajectory i answers questions[i // G]); each Sample stays on its Turn."""
-    def planner(prompts: list[str]) -> list[Sample]:
+    def planner(prompts: list[str], states: list[AgentState]) -> list[Sample]:
         rendered = [render_chat(tokenizer, p) for p in prompts]
         chunks = decode_chunks(tokenizer, rendered, cfg.max_new_tokens, cfg.rollout_tokens)
+        samples = []
         with MODEL_LOCK:  # a late frozen-role call waits: these samples are the policy's, adapter on
-            return [s for idx in chunks for s in sample_actions(
-                model, tokenizer, [rendered[i] for i in idx], max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature, share_prefill=share_prefill)]
+            for idx in chunks:
+                samples += sample_actions(model, tokenizer, [rendered[i] for i in idx],
+                                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                          share_prefill=share_prefill)
+        return samples
+
     model.eval()  # no dropout while sampling (autograd is already off: sample_actions runs under no_grad)
     return solve_batch([q for q in questions for _ in range(group_size)], planner=planner, frozen=frozen,
                        tools=tools, **agent_options(cfg), timings=timings)
@@ -1007,7 +1054,10 @@ def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, 
     return [Row(**vars(s), advantage=a, traj_id=i) for (i, s), a in zip(turns, adv_B.tolist())]
 
 
-# ======== 11. Reward ========
+# ======== 11. The reward ========
+# R(tau) in {0, 1}: the rule judge (rule_reward, Part II, section 17) compares the final answer with the ground truth;
+# --judge llm asks an LLM for a structured verdict and falls back to the rule where none parses.
+
 
 def judge_rewards(questions: list[str], answers: list[str], truths: list[str], engine: Optional[Engine] = None,
                   sources: Optional[list[str]] = None) -> tuple[list[float], int]:
@@ -1023,68 +1073,94 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
 
 # ======== 12. One training step ========
 
+
 def rollout_and_judge(model, tokenizer, batch: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict,
-                      cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], int]:
-    """G trajectories per question of `batch` (trajectory i answers batch[i // G]), their rewards, judge fallbacks."""
-    G, questions = cfg.group_size, [b["question"] for b in batch]
-    states = rollout(model, tokenizer, questions, cfg, frozen, tools, group_size=G, timings=timings)
+                      cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], Counter]:
+    """Phases 1 and 2 of a step: G trajectories per question of `batch` (trajectory i answers batch[i // G]), their
+    rewards, and a tally of what was rolled out (the step's log reads it)."""
+    G = cfg.group_size
+    states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, frozen, tools, group_size=G,
+                     timings=timings)
     rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
                                        [b["answer"] for b in batch for _ in range(G)], judge,
                                        [b.get("source") for b in batch for _ in range(G)])
-    return states, rewards, fallbacks
+    flat_groups = zero_std_frac(rewards, [i // G for i in range(len(states))]) * len(batch)
+    tally = Counter(rollouts=1, groups=len(batch), flat_groups=flat_groups, judge_fallbacks=fallbacks,
+                    trajectories=len(states), reward_sum=sum(rewards))
+    return states, rewards, tally
 
 
-def dynamic_batch(model, tokenizer, batch: list[dict], data_rows: list[dict], frozen: Engine, judge: Optional[Engine],
-                  tools: dict, cfg: Config, step: int, timings: dict) -> tuple[list, list, dict]:
-    """DAPO's dynamic sampling (--dynamic-sampling N): groups of equal rewards are dropped, and up to N more batches
-    (their own seeded RNG: resumable) rolled out until B groups with variance are kept (N = 0: all are kept)."""
-    G, kept_states, kept_rewards, c = cfg.group_size, [], [], Counter()
+def dynamic_sampling(model, tokenizer, states: list[AgentState], rewards: list[float], tally: Counter,
+                     data_rows: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict, cfg: Config,
+                     step: int, timings: dict) -> tuple[list[AgentState], list[float]]:
+    """DAPO's dynamic sampling (--dynamic-sampling N): the groups of equal rewards are dropped, and up to N more batches
+    (drawn by their own seeded RNG: resumable) are rolled out until B groups with variance are kept. The tally counts
+    every batch rolled out."""
+    G = cfg.group_size
+    kept_states: list[AgentState] = []
+    kept_rewards: list[float] = []
     for attempt in range(cfg.dynamic_sampling + 1):
         if attempt:
             draw = random.Random(f"dynamic-{cfg.seed}-{step}-{attempt}")
             batch = [data_rows[i] for i in draw.sample(range(len(data_rows)), min(cfg.batch_size, len(data_rows)))]
-        states, rewards, fallbacks = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
-        c.update(rollouts=1, groups=len(batch), flat_groups=zero_std_frac(rewards, [i // G for i in range(len(states))])
-                 * len(batch), judge_fallbacks=fallbacks, trajectories=len(states), reward_sum=sum(rewards))
+            states, rewards, more = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
+            tally.update(more)
         for g in range(0, len(states), G):
-            if cfg.dynamic_sampling == 0 or max(rewards[g:g + G]) > min(rewards[g:g + G]):
+            if max(rewards[g:g + G]) > min(rewards[g:g + G]):
                 kept_states += states[g:g + G]
                 kept_rewards += rewards[g:g + G]
         if len(kept_states) >= cfg.batch_size * G:
             break
-    n = cfg.batch_size * G if cfg.dynamic_sampling else len(kept_states)
-    return kept_states[:n], kept_rewards[:n], c
+    return kept_states[:cfg.batch_size * G], kept_rewards[:cfg.batch_size * G]
 
 
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen: Engine, judge: Optional[Engine],
                tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None,
                ref_weights: Optional[dict] = None) -> tuple[dict, list[AgentState], list[float]]:
-    """rollout -> rewards -> advantages -> old/ref log-probs -> update. Returns metrics, trajectories, rewards.
-    reward_mean and zero_std_frac are over everything rolled out (with --dynamic-sampling, dropped groups too)."""
+    """One Flow-GRPO step. Returns its metrics, its trajectories and their rewards. reward_mean and zero_std_frac are
+    over everything rolled out (with --dynamic-sampling, the dropped groups too)."""
+    G = cfg.group_size
+    timings: dict[str, PhaseTime] = {}
     engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
-    G, timings, t0, phases = cfg.group_size, {}, time.perf_counter(), ("planner", "fixed", "tools")
-    before = [sum(e.requests for e in engines), sum(e.failures for e in engines)]  # remote requests so far, failed
-    states, rewards, c = dynamic_batch(model, tokenizer, batch, data_rows or batch, frozen, judge, tools, cfg, step,
-                                       timings)
+    requests_before = sum(e.requests for e in engines)  # remote requests so far (OpenAIEngine), and failed
+    failures_before = sum(e.failures for e in engines)
+    t0 = time.perf_counter()
+
+    # ---- 1. ROLLOUT: B questions x G trajectories in lockstep; the policy samples every planner turn ----------
+    # ---- 2. REWARD: the judge compares each final answer with the ground truth, R in {0, 1} -------------------
+    states, rewards, tally = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
+    if cfg.dynamic_sampling:  # DAPO: groups of equal rewards dropped, more batches rolled out to fill B groups
+        states, rewards = dynamic_sampling(model, tokenizer, states, rewards, tally, data_rows or batch, frozen, judge,
+                                           tools, cfg, step, timings)
+
+    # ---- 3. ADVANTAGES: normalised in each group of G, broadcast to every planner turn: one row per turn ------
     rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)
-    t1, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
+    t1 = time.perf_counter()
+    lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
     with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
+        # ---- 4. PI_OLD and PI_REF: the log-probs the ratio and the KL term compare with --------------------
         fill_old_and_ref(model, rows, cfg, step, ref_weights)
-        upd = update_policy(model, optimizer, rows, cfg, step)
+        # ---- 5. UPDATE: ppo_epochs x minibatches of the clipped-ratio loss, then the optimizer step ----------
+        update = update_policy(model, optimizer, rows, cfg, step)
     scheduler.step()
-    metrics = {"step": step, "reward_mean": c["reward_sum"] / max(1, c["trajectories"]), **upd, "rows": len(rows),
-               "lr": lr, "zero_std_frac": c["flat_groups"] / max(1, c["groups"]), "rollouts": c["rollouts"],
-               "kept_groups": len(states) // G, **trajectory_metrics(states, tools),
-               "judge_fallbacks": c["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
-               "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, timings.get("planner", 0.0)),
-               **{f"time_{k}_s": timings.get(k, 0.0) for k in phases},
-               **{f"{n}_{k}": timings.get(f"{n}_{k}", 0) for n in ("gen_tokens", "hit_limit") for k in phases},
-               "engine_requests": sum(e.requests for e in engines) - before[0],
-               "engine_failures": sum(e.failures for e in engines) - before[1]}
+
+    # ---- 6. LOG: one line of metrics.jsonl --------------------------------------------------------------------
+    phases = {k: timings.get(k, PhaseTime()) for k in ("planner", "fixed", "tools")}
+    metrics = {"step": step, "reward_mean": tally["reward_sum"] / max(1, tally["trajectories"]), **update,
+               "rows": len(rows), "lr": lr, "zero_std_frac": tally["flat_groups"] / max(1, tally["groups"]),
+               "rollouts": tally["rollouts"], "kept_groups": len(states) // G, **trajectory_metrics(states, tools),
+               "judge_fallbacks": tally["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
+               "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, phases["planner"].seconds),
+               **{f"time_{k}_s": p.seconds for k, p in phases.items()},
+               **{f"gen_tokens_{k}": p.gen_tokens for k, p in phases.items()},
+               **{f"hit_limit_{k}": p.hit_limit for k, p in phases.items()},
+               "engine_requests": sum(e.requests for e in engines) - requests_before,
+               "engine_failures": sum(e.failures for e in engines) - failures_before}
     return metrics, states, rewards
 
 
 # ======== 13. The training loop ========
+
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
     """Cross-entropy of the actions given their prompts (ACTION tokens with EOS, / n_tokens) and each one's log-prob."""
@@ -1109,7 +1185,7 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
         if cfg.max_turns > 1:
             draw = random.Random(f"sft-{cfg.seed}-{step}")  # (its own stream: the global ones stay as they were)
             plans = [json.dumps({"tool_name": draw.choice(names), "sub_goal": q}) for q in pool]
-            firsts = solve_batch(pool, planner=lambda _: plans, frozen=frozen, tools=tools,
+            firsts = solve_batch(pool, planner=lambda prompts, states: plans, frozen=frozen, tools=tools,
                                  **{**agent_options(cfg), "max_turns": 1, "analysis": False})
             states += [(q, t, st.memory, 2) for q, t, st in zip(pool, texts, firsts)]
         pairs = [(*state, name) for state in states for name in names]  # B x (number of tools) rows, per turn
@@ -1136,21 +1212,17 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
 
 
 def train(cfg: Config) -> Path:
-    """The main loop; returns the last checkpoint. What may refuse the run comes before the model loads."""
+    """The training loop: the warm start once, then max_steps Flow-GRPO steps, with a held-out curve and checkpoints.
+    Returns the last checkpoint. What may refuse the run comes before the model loads. Resume, checkpoints, the
+    output folder's lock and Ctrl-C are plumbing: Part II, section 18."""
     torch.manual_seed(cfg.seed)
-    device, out_dir = pick_device(cfg), Path(cfg.output_dir)
+    device = pick_device(cfg)
+    out_dir = Path(cfg.output_dir)
     data_rows = prepare_data.load_questions(cfg.train_file, kinds=cfg.kinds)
     kinds = [r["source"] for r in data_rows]  # batches deal them in turn (batch_indices)
-    digest = hashlib.sha256(json.dumps(data_rows, default=str).encode()).hexdigest()
-    train_data = f"{len(data_rows)} rows, sha256 {digest[:12]}"
-    last = resume_point(out_dir, cfg, train_data)
-    try:  # held while this process lives: two runs in one folder would mix their logs
-        lock = (out_dir / ".lock").open("w")
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
-    except OSError as e:  # an existing folder on a read-only disk, or another user's (before the model loads)
-        raise SystemExit(f"error: cannot write in --output-dir {out_dir}: {e.strerror}") from None
+    train_data = data_fingerprint(data_rows)  # --resume refuses a training file rebuilt with other rows
+    last = resume_point(out_dir, cfg, train_data)  # the checkpoint to resume from; None: step 0
+    lock = lock_output_dir(out_dir)  # held while this process lives: two runs in one folder would mix their logs
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
     optimizer, scheduler = make_optimizer(model, cfg)
     start = load_checkpoint(last, model, optimizer, scheduler) if last else 0
@@ -1158,25 +1230,24 @@ def train(cfg: Config) -> Path:
         trim_jsonl(out_dir / name, start if start else -1)  # (the step-0 evaluation is written again)
     if last and start >= cfg.max_steps:
         log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
-    if cfg.sft_steps > 0 and last is None:
+    if cfg.sft_steps > 0 and last is None:  # the warm start, once: checkpoint-0
         sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
         last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
-    ref_weights = warm_start_weights(out_dir, cfg)
+    ref_weights = warm_start_weights(out_dir, cfg)  # pi_ref: the warm start's adapter; None: the base
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
     eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds) if cfg.eval_every else []
     held_out = functools.partial(held_out_metrics, model, tokenizer, frozen, tools, judge, eval_rows, cfg)
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
-        with open(out_dir / "metrics.jsonl", "a") as mf:
-            mf.write(json.dumps({"step": 0, **held_out()}) + "\n")
-    with GracefulInterrupt() as interrupt, open(out_dir / "metrics.jsonl", "a", buffering=1) as mf, \
-            open(out_dir / "rollouts.jsonl", "a", buffering=1) as rf, \
-            tqdm(range(start + 1, cfg.max_steps + 1), initial=start, total=cfg.max_steps, desc="train",
-                 dynamic_ncols=True) as bar:
+        append_jsonl(out_dir / "metrics.jsonl", [{"step": 0, **held_out()}])
+    steps = range(start + 1, cfg.max_steps + 1)
+    with (GracefulInterrupt() as interrupt,
+          tqdm(steps, initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True) as bar):
         for step in bar:
             batch = [data_rows[i] for i in batch_indices(kinds, cfg.seed, step, cfg.batch_size)]
-            moved, rng = optimizer_steps(optimizer), rng_state()  # (after an out-of-memory error: as before the step)
+            moved = optimizer_steps(optimizer)  # (after an out-of-memory error: whether the weights moved,
+            rng = rng_state()  # and the random state as it was before the step)
             try:
                 metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
                                                       tools, cfg, step, data_rows, ref_weights)
@@ -1185,12 +1256,10 @@ def train(cfg: Config) -> Path:
                                    scheduler, cfg, train_data)
             if eval_rows and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 metrics.update(held_out())
-            mf.write(json.dumps(metrics) + "\n")
-            rf.writelines(json.dumps({"step": step, "reward": r, "trajectory": format_trajectory(st)}) + "\n"
-                          for st, r in list(zip(states, rewards))[:cfg.log_rollouts])
-            if 0 < metrics["engine_requests"] == metrics["engine_failures"]:  # the server is down: stop, do not save
-                raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
-                                 f"(see the lines above); stopped - once the server is back, continue with --resume")
+            append_jsonl(out_dir / "metrics.jsonl", [metrics])
+            append_jsonl(out_dir / "rollouts.jsonl", [{"step": step, "reward": r, "trajectory": format_trajectory(st)}
+                                                       for st, r in list(zip(states, rewards))[:cfg.log_rollouts]])
+            stop_if_server_down(metrics, step)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", loss=f"{metrics['loss']:.4f}",
                             kl=f"{metrics['kl']:.4f}")
             if step % cfg.save_every == 0 or step == cfg.max_steps or interrupt.requested:
@@ -1210,10 +1279,13 @@ class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
     before, parses after, and when greedy sends each distinct prompt once (a question's G trajectories often agree)."""
     max_tokens: int = 512
-    requests = failures = 0  # remote requests sent and failed (OpenAIEngine counts them; local ones never fail)
+    requests = 0  # remote requests sent (OpenAIEngine counts them)
+    failures = 0  # and failed (local ones never fail)
     phase_timeout_s = 300.0  # the longest a rollout phase waits for this engine, or for the tools it serves
     temperature: float = 0.0  # 0 = greedy decoding (LocalEngine always is)
-    dedup: bool = True  # send duplicate prompts once when greedy (False: the old way, for --benchmark)
+    dedup: bool = True  # send duplicate prompts once when greedy (False: every copy again, --benchmark's "unshared")
+    generated: Counter  # tokens decoded (gen_tokens) and outputs the token limit cut (hit_limit); set in __init__
+    decoded: Optional[list] = None  # a list: every prompt really decoded is appended to it (--benchmark counts them)
 
     def generate(self, prompts: list[str], *, schema: Optional[type[BaseModel]] = None,
                  max_tokens: Optional[int] = None) -> list[Any]:
@@ -1274,16 +1346,28 @@ class OpenAIEngine(Engine):
         from openai import OpenAI
         self._client = OpenAI(base_url=base_url, api_key=os.environ.get(api_key_env) or "EMPTY",  # vLLM takes any key
                               timeout=timeout_s, max_retries=0)  # the key stays in here; retries are ours
-        self.base_url, self.model, self.max_retries, self.backoff_s = base_url, model, max_retries, backoff_s
-        self.max_tokens, self.temperature, self.phase_timeout_s = max_tokens, temperature, phase_timeout_s
-        self.mode, self.refusal = self.MODES[0], ""  # the structured-output mode, and why it was lowered
-        self._lock, self._slots, self._logged = threading.Lock(), threading.Semaphore(workers), set()
+        self.base_url = base_url
+        self.model = model
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.phase_timeout_s = phase_timeout_s
+        self.mode = self.MODES[0]  # the structured-output mode
+        self.refusal = ""  # and why it was lowered
+        self.generated = Counter(gen_tokens=0, hit_limit=0)  # fixed keys: a reader never sees it grow
+        self._lock = threading.Lock()
+        self._slots = threading.Semaphore(workers)  # requests in flight at most
+        self._logged: set[str] = set()  # the kinds of failure logged already
 
     def _complete(self, prompts, max_tokens, schema):
+        if self.decoded is not None:
+            self.decoded += prompts
         texts = run_in_threads(lambda p: self._one(p, max_tokens, schema), prompts, self._slots,
                                self.phase_timeout_s, f"{len(prompts)} requests to {self.base_url}")
         with self._lock:  # abandoned requests count here, once; their threads' late results are dropped
-            self.requests, self.failures = self.requests + len(texts), self.failures + texts.count(None)
+            self.requests += len(texts)
+            self.failures += texts.count(None)
         return [t or "" for t in texts]
 
     def _one(self, prompt: str, max_tokens: int, schema) -> Optional[str]:
@@ -1300,8 +1384,9 @@ class OpenAIEngine(Engine):
                                               {"type": mode, "json_schema": {"name": name, "schema": spec}})
             try:
                 reply = self._client.chat.completions.create(**request)
-                usage(gen_tokens=getattr(reply.usage, "completion_tokens", 0) or 0,  # when the server says
-                      hit_limit=int(reply.choices[0].finish_reason == "length"))
+                with self._lock:
+                    self.generated.update(gen_tokens=getattr(reply.usage, "completion_tokens", 0) or 0,  # if given
+                                          hit_limit=int(reply.choices[0].finish_reason == "length"))
                 text = reply.choices[0].message.content
                 return text if isinstance(text, str) else self._failed("no text", "a reply without text")
             except openai.APIStatusError as e:  # str(e) may be just "Error code: 500": the body says why
@@ -1329,17 +1414,25 @@ class OpenAIEngine(Engine):
             log(f"[engine] {self.base_url}: {what[:300]} (later ones of this kind are only counted)")
 
 
-def drop_ended_rows(cache, going_R: torch.Tensor, keep_order: bool) -> torch.Tensor:
-    """The batch cut to the K rows still going; returns keep_K, each kept row's old index. keep_order (sampled rows: a
-    seed's draws stay on their rows; other layers: shared KV, indexers) copies; else last rows fill holes, cache cut."""
-    if keep_order or {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer"}:
-        cache.batch_select_indices(keep_K := going_R.nonzero().squeeze(1))
+def drop_ended_rows(cache, going_R: torch.Tensor) -> torch.Tensor:
+    """The greedy decoder's fast way to cut the batch to the K rows still going (sample_actions' plain way selects
+    them in order, which copies every kept row's keys and values). Here the last rows still going move into the holes
+    that ended rows left, so only the movers are copied, and the cache is cut to its first K rows, a view. Returns
+    keep_K, each kept row's old index. Caches other than transformers' plain dynamic layers (shared KV, indexers)
+    keep the plain way."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        keep_K = going_R.nonzero().squeeze(1)
+        cache.batch_select_indices(keep_K)
         return keep_K
     K = int(going_R.sum())
-    holes, movers = (~going_R[:K]).nonzero().squeeze(1), going_R[K:].nonzero().squeeze(1) + K
-    for layer in cache.layers:  # transformers' DynamicCache: a (keys, values) pair per layer, batch first
-        layer.keys[holes], layer.values[holes] = layer.keys[movers], layer.values[movers]  # copies the movers only
-        layer.keys, layer.values = layer.keys[:K], layer.values[:K]  # a view: nothing copied
+    holes = (~going_R[:K]).nonzero().squeeze(1)  # ended rows among the first K
+    movers = going_R[K:].nonzero().squeeze(1) + K  # rows still going beyond them, as many
+    for layer in cache.layers:  # a (keys, values) pair per layer, batch first
+        layer.keys[holes] = layer.keys[movers]
+        layer.values[holes] = layer.values[movers]
+        layer.keys = layer.keys[:K]  # a view: nothing copied
+        layer.values = layer.values[:K]
     return torch.arange(K, device=going_R.device).index_put((holes,), movers)
 
 
@@ -1430,9 +1523,14 @@ class LocalEngine(Engine):
 
     def __init__(self, model, tokenizer, *, use_adapter: bool = False, max_tokens: int = 512, batch_size: int = 32,
                  max_batch_tokens: int = 0):  # max_batch_tokens: a decode batch's KV cache (decode_chunks)
-        self.model, self.tokenizer, self.use_adapter = model, tokenizer, use_adapter
+        self.model = model
+        self.tokenizer = tokenizer
+        self.use_adapter = use_adapter
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.max_tokens, self.batch_size, self._queue_lock = max_tokens, batch_size, threading.Lock()
+        self.generated = Counter(gen_tokens=0, hit_limit=0)  # fixed keys: a reader never sees it grow
+        self._queue_lock = threading.Lock()
         self._queue: list[tuple[list[str], int, list, concurrent.futures.Future]] = []  # prompts, limit, schemas
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use
 
@@ -1469,6 +1567,8 @@ class LocalEngine(Engine):
     def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
         """Greedy texts, row i decoded under schemas[i] if not None; left-padded: generation appends on the right."""
         schemas = schemas or [None] * len(prompts)
+        if self.decoded is not None:
+            self.decoded += prompts
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
@@ -1480,7 +1580,9 @@ class LocalEngine(Engine):
                 # ~3 characters per token: strings of 2 x max_tokens characters in all and their keys still close
                 mask = SchemaMask(self._ll_tokenizer, [schemas[i] for i in idx], 2 * max_tokens, self.max_json_chars)
                 samples = sample_actions(self.model, self.tokenizer, chunk, max_new_tokens=max_tokens, temperature=0,
-                                         share_prefill=self.dedup, choose=mask)  # (it counts tokens and limit hits)
+                                         share_prefill=self.dedup, choose=mask)
+                self.generated.update(gen_tokens=sum(len(s.action_ids) for s in samples),
+                                      hit_limit=sum(s.hit_limit for s in samples))
                 outs += [s.text if r not in mask.matchers or mask.matchers[r].is_accepting() else ""
                          for r, s in enumerate(samples)]
         return outs
@@ -2742,6 +2844,38 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
     return ckpt
 
 
+def data_fingerprint(rows: list[dict]) -> str:
+    """The training rows' count and hash, kept in each checkpoint: --resume refuses a file rebuilt with other rows."""
+    digest = hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()
+    return f"{len(rows)} rows, sha256 {digest[:12]}"
+
+
+def lock_output_dir(out_dir: Path):
+    """An exclusive lock on --output-dir, held while the returned file stays open: two runs in one folder would mix
+    their logs. One error line if another run holds it, or the folder cannot be written (before the model loads)."""
+    try:
+        lock = (out_dir / ".lock").open("w")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"error: another run is using --output-dir {out_dir}; wait for it or choose another") from None
+    except OSError as e:  # an existing folder on a read-only disk, or another user's
+        raise SystemExit(f"error: cannot write in --output-dir {out_dir}: {e.strerror}") from None
+    return lock
+
+
+def append_jsonl(path: Path, records: list[dict]) -> None:
+    """One JSON line per record at the end of `path` (metrics.jsonl, rollouts.jsonl), written through at once."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def stop_if_server_down(metrics: dict, step: int) -> None:
+    """Stop, unsaved, when every remote request of the step failed: the server is down, and the step learnt nothing."""
+    if 0 < metrics["engine_requests"] == metrics["engine_failures"]:
+        raise SystemExit(f"error: all {metrics['engine_requests']} remote requests of step {step} failed "
+                         f"(see the lines above); stopped - once the server is back, continue with --resume")
+
+
 def trim_jsonl(path: Path, max_step: int) -> None:
     """On resume, drop the log lines of steps after the checkpoint (written again) and a line torn by a crash."""
     keep = []
@@ -2830,6 +2964,11 @@ def route(st: AgentState) -> str:
     return ">".join(t.plan.tool_name.split("_")[0] if t.plan else "(unparsed)" for t in st.turns) or "(none)"
 
 
+def engine_planner(engine: Engine) -> Callable[[list[str], list[AgentState]], list]:
+    """solve_batch's planner from an engine on the policy (greedy, adapter on): it reads the prompts alone."""
+    return lambda prompts, states: engine.generate(prompts)
+
+
 def greedy_eval(planner: Callable, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
     """Greedy planner on `rows`: accuracy overall and per kind (the row's source), routes per kind, and agent_counts."""
@@ -2857,7 +2996,7 @@ def held_out_metrics(model, tokenizer, frozen: Engine, tools: dict, judge: Optio
     planner = LocalEngine(model, tokenizer, use_adapter=True, max_tokens=cfg.max_new_tokens,
                           max_batch_tokens=cfg.rollout_tokens)
     try:
-        result = greedy_eval(planner.generate, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
+        result = greedy_eval(engine_planner(planner), frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     except torch.cuda.OutOfMemoryError:  # the training step is done and goes on; only this point of the curve is lost
         torch.cuda.empty_cache()
         log("[eval] out of GPU memory: this evaluation is skipped (lower --rollout-tokens or --eval-limit)")
@@ -2875,16 +3014,13 @@ def build_agent(cfg: Config, device: str):
                                              max_batch_tokens=cfg.rollout_tokens)
 
 
-def scripted_planner(names: list[str]) -> Callable[[list[str]], list[str]]:
+def scripted_planner(names: list[str]) -> Callable[[list[str], list[AgentState]], list[str]]:
     """--plan-tools A,B: a planner that names tool A at turn 1, B at turn 2 (and the last one after), with the
-    question as sub-goal (the format-only plan), both read back from the text that planner_prompt wrote."""
-    def plan(prompts: list[str]) -> list[str]:
-        out = []
-        for p in prompts:  # (the question may hold blank lines; the memory, text that looks like a step line)
-            question = re.search(r"\n\nQuestion: (.*?)\n\n(?:Query analysis: .*?\n\n)?Available tools:\n", p, re.S)[1]
-            turn = int(re.findall(r"This is step (\d+) of at most \d+\.", p)[-1])
-            out.append(json.dumps({"tool_name": names[min(turn, len(names)) - 1], "sub_goal": question}))
-        return out
+    question as sub-goal (the format-only plan). It reads the states, not the prompts: each one's question, and its
+    turn (the turns it has taken, plus this one)."""
+    def plan(prompts: list[str], states: list[AgentState]) -> list[str]:
+        return [json.dumps({"tool_name": names[min(len(st.turns) + 1, len(names)) - 1], "sub_goal": st.question})
+                for st in states]
     return plan
 
 
@@ -2893,7 +3029,7 @@ def evaluate(cfg: Config, device: str) -> dict:
     rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds)
     frozen, tools, judge, planner = build_agent(cfg, device)
     t0 = time.perf_counter()
-    plan = scripted_planner(cfg.plan_tools.split(",")) if cfg.plan_tools else planner.generate
+    plan = scripted_planner(cfg.plan_tools.split(",")) if cfg.plan_tools else engine_planner(planner)
     result = greedy_eval(plan, frozen, tools, judge, rows, cfg, cfg.batch_size * cfg.group_size)
     c = result["counts"]
     print(f"{cfg.val_file}, planner {cfg.plan_tools or cfg.adapter or '(base model)'}, plans per tool: "
@@ -2909,25 +3045,32 @@ def evaluate(cfg: Config, device: str) -> dict:
 def ask(cfg: Config, device: str) -> None:
     """--ask: one question, the whole trajectory printed."""
     frozen, tools, _, planner = build_agent(cfg, device)
-    st = solve_batch([cfg.ask], planner=planner.generate, frozen=frozen, tools=tools, **agent_options(cfg))[0]
+    st = solve_batch([cfg.ask], planner=engine_planner(planner), frozen=frozen, tools=tools, **agent_options(cfg))[0]
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
 
 
 # ======== 20. Benchmark and plots ========
 
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> None:
+def overlap_s(spans: list, within: list) -> float:
+    """Seconds of the (start, end) spans that fall inside the spans `within`."""
+    return sum(max(0.0, min(end, e) - max(start, s)) for start, end in spans for s, e in within)
+
+
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools,
+                   forward_spans: list = ()) -> None:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
-    trajectory at a time, same questions, engines and seed."""
-    generated, seconds = [], {}  # generated: every prompt really generated (LocalEngine: after its batching)
-    name = "_generate" if hasattr(frozen, "_generate") else "_complete"
-    setattr(frozen, name, lambda prompts, *a, f=getattr(frozen, name): generated.extend(prompts) or f(prompts, *a))
+    trajectory at a time, same questions, engines and seed. forward_spans: the model's forward passes, as (start, end)
+    (benchmark's hooks): each phase's seconds are split into those and the rest."""
+    total: dict[str, PhaseTime] = {}  # each mode's seconds
+    frozen.decoded = []  # every prompt the frozen roles really decode (LocalEngine: after its batching)
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
         torch.manual_seed(cfg.seed)
-        t, frozen.dedup = {}, mode != "unshared"  # t: this mode's phase timings
-        generated.clear()
+        frozen.dedup = mode != "unshared"
+        frozen.decoded.clear()
+        t: dict[str, PhaseTime] = {}  # this mode's phases
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
-        with timed(seconds, mode):
+        with timed(total, mode):
             states = [st for qs, g in runs for st in rollout(model, tokenizer, qs, cfg, frozen, tools, group_size=g,
                                                              timings=t, share_prefill=mode == "lockstep")]
         if mode == "lockstep":  # and one update on its turns: their share of a training step. At lr 0: the same
@@ -2937,12 +3080,27 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
                 fill_old_and_ref(model, rows, cfg, step=1)
                 update_policy(model, make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0], rows, cfg, step=1)
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
-        fwd = {k: t.get(f"forward_s_{k}", 0.0) for k in ("planner", "fixed", "tools", "update") if k in t}
-        where = ", ".join(f"{k} {t[k]:.2f}s = forward {f:.2f}s + rest {t[k] - f:.2f}s" for k, f in fwd.items())
-        print(f"  {mode:10s} {seconds[mode]:7.2f}s  planner {tokens / max(1e-9, t['planner']):8.1f} tok/s  ({where}); "
-              f"frozen roles generated {len(generated)} prompts ({len(set(generated))} distinct)")
-    print(f"rollout speedup: {seconds['sequential'] / seconds['lockstep']:.1f}x (lockstep vs sequential), "
-          f"{seconds['unshared'] / seconds['lockstep']:.1f}x (vs nothing shared)")
+        where = []
+        for phase in [k for k in ("planner", "fixed", "tools", "update") if k in t]:
+            seconds, forward = t[phase].seconds, overlap_s(forward_spans, t[phase].spans)
+            where.append(f"{phase} {seconds:.2f}s = forward {forward:.2f}s + rest {seconds - forward:.2f}s")
+        print(f"  {mode:10s} {total[mode].seconds:7.2f}s  planner {tokens / max(1e-9, t['planner'].seconds):8.1f} "
+              f"tok/s  ({', '.join(where)}); frozen roles generated {len(frozen.decoded)} prompts "
+              f"({len(set(frozen.decoded))} distinct)")
+    frozen.decoded = None
+    print(f"rollout speedup: {total['sequential'].seconds / total['lockstep'].seconds:.1f}x (lockstep vs sequential), "
+          f"{total['unshared'].seconds / total['lockstep'].seconds:.1f}x (vs nothing shared)")
+
+
+class Float32Head(torch.nn.Module):
+    """An LM head that computes in float32, from a copy of the weight made before measuring (so that its logits count
+    4 bytes, not 2). The copy is no parameter: the weights' memory is counted once, as the model's."""
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight32 = weight.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight32).to(x.dtype)
 
 
 def worst_case_rows(cfg: Config, shrink: int) -> list[Row]:
@@ -3002,10 +3160,8 @@ def worst_case(cfg: Config, device: str) -> None:
     found = {}
     for n in layers:
         model, tokenizer = load_policy(dataclasses.replace(cfg, model=f"{SHAPE_MODEL}:{n}"), device, trainable=True)
-        if device == "cpu":  # bf16 products with the 151,936-row LM head crawl on CPU (~1 GFLOP/s): float32, its
-            head = model.get_output_embeddings()  # weight copied before measuring (so its logits count 4 bytes, not 2)
-            head.forward = functools.partial(lambda w32, x: torch.nn.functional.linear(x.float(), w32).to(x.dtype),
-                                             head.weight.float())
+        if device == "cpu":  # bf16 products with the 151,936-row LM head crawl on CPU (~1 GFLOP/s): float32
+            model.get_base_model().set_output_embeddings(Float32Head(model.get_output_embeddings().weight))
         rows = worst_case_rows(cfg, shrink)
         prompts = [tokenizer.decode(r.prompt_ids) for r in rows[cfg.max_turns - 1::cfg.max_turns]]  # the last turns
         chunks = decode_chunks(tokenizer, prompts, cfg.max_new_tokens, cfg.rollout_tokens)[:1 if shrink > 1 else None]
@@ -3043,14 +3199,24 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
         return worst_case(cfg, device)
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file, cfg.batch_size, cfg.kinds)]
     model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
-    sync, t0 = torch.cuda.synchronize if device == "cuda" else (lambda: None), []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    starts: list[float] = []
+    spans: list[tuple[float, float]] = []  # every forward pass of the model, as (start, end)
+
+    def before(*_) -> None:
+        sync()
+        starts.append(time.perf_counter())
+
+    def after(*_) -> None:  # (a hook that returned something would replace the model's output)
+        sync()
+        spans.append((starts.pop(), time.perf_counter()))
+
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # generate() bypasses peft's forward
-    core.register_forward_pre_hook(lambda *_: sync() or t0.append(time.perf_counter()))
-    core.register_forward_hook(lambda *_: sync() or usage(forward_s=time.perf_counter() - t0.pop()) and None)  # (a
-    # hook that returned something would replace the model's output)
+    core.register_forward_pre_hook(before)
+    core.register_forward_hook(after)
     rollout(model, tokenizer, questions[:1], cfg, frozen, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, model {cfg.model} on {device}")
-    _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools)
+    _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools, spans)
 
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:

@@ -1416,7 +1416,7 @@ def test_schema_mask_makes_the_plain_masks_greedy_choice_at_every_decoding_step(
 def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monkeypatch):
     """LocalEngine counts what it really decoded (each row up to its EOS, or all of it: the limit hit), and
     timed() credits it to the phase it ran in: the frozen roles' calls to "fixed", the tool's LLM call (made in a
-    tool thread) to "tools"; the planner (sample_actions) counts its own samples."""
+    tool thread) to "tools"; each Sample says whether the limit cut it."""
     model, sample, seen = tiny_engine.model, fg.sample_actions, []
     eos = model.generation_config.eos_token_id
 
@@ -1431,28 +1431,28 @@ def test_generated_tokens_and_limit_hits_are_counted_per_phase(tiny_engine, monk
     monkeypatch.setattr(fg, "sample_actions", recording_sample)
     tools = fg.make_tools(["Generalist_Solution_Generator_Tool"], tiny_engine, max_tokens=7)
     plan = json.dumps({"sub_goal": "Compute 37 times 91.", "tool_name": "Generalist_Solution_Generator_Tool"})
-    timings = {}
-    fg.solve_batch(["What is 37 times 91?", "What is 2 + 2?"], planner=lambda ps: [plan] * len(ps), frozen=tiny_engine,
+    timings, before = {}, tiny_engine.generated["gen_tokens"]
+    fg.solve_batch(["What is 37 times 91?", "What is 2 + 2?"], planner=lambda ps, _: [plan] * len(ps), frozen=tiny_engine,
                    tools=tools, max_turns=1, timings=timings)
     for phase in ("fixed", "tools"):
-        assert timings[f"gen_tokens_{phase}"] == sum(n for p, n, _ in seen if p == phase) > 0, (seen, timings)
-        assert timings.get(f"hit_limit_{phase}", 0) == sum(h for p, _, h in seen if p == phase)
-    assert timings["hit_limit_tools"] == 2 and 0 < timings["hit_limit_fixed"] < len(seen) * 2  # 7 tokens: cut
-    max_new, before = 5, fg.usage()
+        assert timings[phase].gen_tokens == sum(n for p, n, _ in seen if p == phase) > 0, (seen, timings)
+        assert timings[phase].hit_limit == sum(h for p, _, h in seen if p == phase)
+    assert timings["tools"].hit_limit == 2 and 0 < timings["fixed"].hit_limit < len(seen) * 2  # 7 tokens: cut
+    assert tiny_engine.generated["gen_tokens"] - before == sum(n for _, n, _ in seen)  # the engine's own count
+    max_new = 5
     samples = sample(model, tiny_engine.tokenizer, rendered(tiny_engine.tokenizer, ["a", "b", "c"]),
                      max_new_tokens=max_new, temperature=1.0)
-    counted = fg.usage() - before
-    assert counted["gen_tokens"] == sum(len(s.action_ids) for s in samples)
-    assert counted["hit_limit"] == sum(len(s.action_ids) == max_new and int(s.action_ids[-1]) != eos for s in samples)
+    assert [s.hit_limit for s in samples] == [len(s.action_ids) == max_new and int(s.action_ids[-1]) != eos
+                                              for s in samples]
 
 
 def test_remote_engine_counts_the_tokens_its_server_reports(standin):
     standin.script = [chat("a"), (200, {**chat("b")[1], "choices": [{"index": 0, "finish_reason": "length",
                                                                      "message": {"role": "assistant", "content": "b"}}],
                                        "usage": {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}})]
-    engine, before = fg.OpenAIEngine(standin.url, "stand-in", workers=1), fg.usage()
+    engine = fg.OpenAIEngine(standin.url, "stand-in", workers=1)
     assert engine.generate(["x", "y"]) == ["a", "b"]
-    assert fg.usage() - before == Counter(gen_tokens=1 + 9, hit_limit=1)
+    assert engine.generated == Counter(gen_tokens=1 + 9, hit_limit=1)
 
 
 def test_train_step_metrics_hold_each_phase_generated_tokens(tmp_path, sample_data):
@@ -1515,7 +1515,7 @@ def test_real_model_smollm2_every_frozen_role_output_is_valid():
     frozen.max_json_chars = 40  # short fields: each JSON output finishes well inside 128 tokens
     tools = fg.make_tools(["Python_Coder_Tool"], frozen, timeout_s=10.0, max_tokens=48)
     plan = json.dumps({"sub_goal": "Compute 37 times 91 exactly.", "tool_name": "Python_Coder_Tool"})
-    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps: [plan] * len(ps), frozen=frozen, tools=tools,
+    st = fg.solve_batch(["What is 37 times 91?"], planner=lambda ps, _: [plan] * len(ps), frozen=frozen, tools=tools,
                         max_turns=1)[0]
     trajectory = fg.format_trajectory(st)
     # one turn allowed: the solver skips the verifier (its verdict would change nothing), so ask it here
@@ -1539,7 +1539,7 @@ class CountingRoleEngine(RoleEngine):
 
 
 def solve_identical(frozen, group=8, max_turns=1):
-    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps: [plan_json()] * len(ps), frozen=frozen,
+    return fg.solve_batch(["What is 12 squared?"] * group, planner=lambda ps, _: [plan_json()] * len(ps), frozen=frozen,
                           tools={"Echo_Tool": EchoTool()}, max_turns=max_turns)
 
 
@@ -1577,7 +1577,11 @@ def test_dropping_ended_rows_copies_only_the_rows_that_move(tiny):
     for keep_order, want in ((True, [1, 3, 4]), (False, [3, 1, 4])):  # holes 0 and 2 take rows 3 and 4
         cache = model(**enc, use_cache=True).cache
         before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in cache.layers]
-        keep = fg.drop_ended_rows(cache, going, keep_order)
+        if keep_order:  # sample_actions' plain way
+            keep = going.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+        else:
+            keep = fg.drop_ended_rows(cache, going)
         assert keep.tolist() == want
         for (keys, values, ptr), layer in zip(before, cache.layers):
             assert torch.equal(layer.keys, keys[keep]) and torch.equal(layer.values, values[keep])
@@ -2792,7 +2796,7 @@ def test_no_exec_or_eval_of_model_output():
 
 def test_solver_correct_path():
     tool = EchoTool()
-    st = fg.solve_batch(["What is 12 squared?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(),
+    st = fg.solve_batch(["What is 12 squared?"], planner=lambda ps, _: [plan_json()] * len(ps), frozen=RoleEngine(),
                         tools={"Echo_Tool": tool}, max_turns=3)[0]
     assert len(st.turns) == 1 and st.turns[0].verdict.stop_signal  # the verifier stopped after one step
     assert tool.calls == ["print(12**2)"] and st.turns[0].result == {"echo": "print(12**2)"}
@@ -2802,8 +2806,8 @@ def test_solver_correct_path():
 
 @pytest.mark.parametrize("case", ["unknown_tool", "bad_arguments", "tool_error", "malformed_plan"])
 def test_solver_turns_failures_into_memory(case):
-    planner = {"unknown_tool": lambda ps: [plan_json("Nope_Tool")] * len(ps),
-               "malformed_plan": lambda ps: ["{'justification': oops"] * len(ps)}.get(case, lambda ps: [plan_json()] * len(ps))
+    planner = {"unknown_tool": lambda ps, _: [plan_json("Nope_Tool")] * len(ps),
+               "malformed_plan": lambda ps, _: ["{'justification': oops"] * len(ps)}.get(case, lambda ps, _: [plan_json()] * len(ps))
     frozen = RoleEngine(executor_args={"wrong": 1} if case == "bad_arguments" else None, stop_after=2)
     tools = {"Echo_Tool": EchoTool(fail=case == "tool_error")}
     st = fg.solve_batch(["q?"], planner=planner, frozen=frozen, tools=tools, max_turns=3)[0]
@@ -2825,11 +2829,11 @@ def test_solver_counts_failures_per_kind():
         def __call__(self, raw_args):
             return {"stdout": "", "error": "boom"} if self.fail else {"stdout": "144", "error": None}
 
-    clean, broken = fg.solve_batch(["ok?", "bad?"], planner=lambda ps: [plan_json()] * len(ps),
+    clean, broken = fg.solve_batch(["ok?", "bad?"], planner=lambda ps, _: [plan_json()] * len(ps),
                                    frozen=BadCalls(stop_after=1), tools={"Echo_Tool": Coder()}, max_turns=1)
     assert clean.stats["tool_error"] == 0 and clean.turns[0].call["tool_name"] == "Echo_Tool"
     assert broken.stats["parse_fail:call"] == 1 and "did not fit" in broken.memory.steps[0]["result"]["error"]
-    failing = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(),
+    failing = fg.solve_batch(["q?"], planner=lambda ps, _: [plan_json()] * len(ps), frozen=RoleEngine(),
                              tools={"Echo_Tool": Coder(fail=True)}, max_turns=1)[0]
     assert failing.stats["tool_error"] == 1
 
@@ -2841,7 +2845,7 @@ def test_executor_cannot_name_another_tool_or_add_arguments():
                     for p, o in zip(prompts, super()._complete(prompts, max_tokens, schema))]
 
     tool = EchoTool()
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=Other(), tools={"Echo_Tool": tool},
+    st = fg.solve_batch(["q?"], planner=lambda ps, _: [plan_json()] * len(ps), frozen=Other(), tools={"Echo_Tool": tool},
                         max_turns=1)[0]
     assert "did not fit the tool's input schema" in st.memory.steps[0]["result"]["error"]  # the planner chose the tool
     assert tool.calls == []
@@ -2849,7 +2853,7 @@ def test_executor_cannot_name_another_tool_or_add_arguments():
 
 def test_no_verify_takes_every_turn_and_shows_no_verdict_but_an_unreadable_one_is_shown():
     tools = {"Echo_Tool": EchoTool()}
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=RoleEngine(stop_after=1),
+    st = fg.solve_batch(["q?"], planner=lambda ps, _: [plan_json()] * len(ps), frozen=RoleEngine(stop_after=1),
                         tools=tools, max_turns=3, verify=False)[0]
     assert len(st.turns) == 3 and "VERIFIER" not in fg.format_trajectory(st)  # the verifier would have stopped it
 
@@ -2857,14 +2861,14 @@ def test_no_verify_takes_every_turn_and_shows_no_verdict_but_an_unreadable_one_i
         def _complete(self, prompts, max_tokens, schema):
             return ["no json" if "verifier" in p else o for p, o in zip(prompts, super()._complete(prompts, max_tokens,
                                                                                                    schema))]
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=Junk(), tools=tools, max_turns=2)[0]
+    st = fg.solve_batch(["q?"], planner=lambda ps, _: [plan_json()] * len(ps), frozen=Junk(), tools=tools, max_turns=2)[0]
     assert fg.format_trajectory(st).count("VERIFIER: unparseable -> CONTINUE") == 1  # asked after turn 1 only
 
 
 def test_solver_stops_at_max_turns_and_batches_in_lockstep():
     batches = []
 
-    def planner(prompts):
+    def planner(prompts, states):
         batches.append(len(prompts))
         return [plan_json()] * len(prompts)
 
@@ -2883,7 +2887,7 @@ def test_solver_tool_that_never_returns_becomes_an_error_after_the_deadline():
     frozen = RoleEngine()
     frozen.phase_timeout_s = 0.5
     t0 = time.perf_counter()
-    st = fg.solve_batch(["q?"], planner=lambda ps: [plan_json()] * len(ps), frozen=frozen, tools={"Echo_Tool": Stuck()},
+    st = fg.solve_batch(["q?"], planner=lambda ps, _: [plan_json()] * len(ps), frozen=frozen, tools={"Echo_Tool": Stuck()},
                         max_turns=1)[0]
     assert time.perf_counter() - t0 < 3 and "no result within 0.5 s" in st.turns[0].result["error"]
     assert st.turns[0].call["tool_name"] == "Echo_Tool" and st.stats["tool_error"] == 1  # a valid call, too slow
@@ -2905,7 +2909,7 @@ def counting_planner(prompt):
 
 
 def test_agent_counts_and_step_metrics():
-    states = fg.solve_batch(["ok?", "bad?", "junk?", "nope?"], planner=lambda ps: [counting_planner(p) for p in ps],
+    states = fg.solve_batch(["ok?", "bad?", "junk?", "nope?"], planner=lambda ps, _: [counting_planner(p) for p in ps],
                             frozen=CountingRoles(), tools={"Echo_Tool": EchoTool()}, max_turns=1)
     c = fg.agent_counts(states, {"Echo_Tool": None})
     assert (c["turns"], c["plans"], c["calls"], c["calls_valid"]) == (4, 3, 2, 1)
@@ -3632,7 +3636,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     assert all(tok.decode(a).startswith('{"tool_name": ') for _, acts in seen for a in acts)  # the decision first
     # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
     turn1 = []
-    fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps: turn1.extend(ps) or ["x"] * len(ps),
+    fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps, _: turn1.extend(ps) or ["x"] * len(ps),
                    frozen=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
     assert [tok.decode(p) for p in prompts[:6]] == [fg.render_chat(tok, p) for p in turn1[:6]]
     # ... and every step pairs each question with every tool once per turn: the demonstrations teach the format, not
@@ -3657,7 +3661,7 @@ def test_no_analysis_skips_the_analyst_and_leaves_its_notes_out_of_the_prompts()
     for analysis in (True, False):
         engine, seen = Counting(stop_after=2), []
         tools = {"Echo": EchoTool()}
-        fg.solve_batch(["What is 12 squared?"], planner=lambda ps: seen.extend(ps) or
+        fg.solve_batch(["What is 12 squared?"], planner=lambda ps, _: seen.extend(ps) or
                        ['{"sub_goal": "square 12", "tool_name": "Echo"}'] * len(ps),
                        frozen=engine, tools=tools, max_turns=2, analysis=analysis)
         analysts = [p for p in engine.prompts if "analyst" in p]
@@ -3925,17 +3929,23 @@ def test_eval_ends_with_the_counts_line(tmp_path, monkeypatch, capsys):
 
 
 def test_plan_tools_names_a_tool_per_turn_with_the_question_as_sub_goal():
+    """The scripted planner reads the states (question, turns taken), never the prompt's wording: a question with
+    blank lines, or a memory that looks like a step line, cannot mislead it."""
     tools = fg.make_tools(["Generalist_Solution_Generator_Tool", "Python_Coder_Tool"], ScriptedEngine(str))
-    memory = fg.Memory()
-    memory.add("Python_Coder_Tool", "x", {"query": "print(1)"}, {"stdout": "This is step 9 of at most 9.\n"})
     questions = ["What is 2 + 2?\n\nShow it.", "Who?", "Why?"]
-    prompts = [fg.planner_prompt(q, a, tools, m, t, 3) for q, a, m, t in
-               [(questions[0], "", fg.Memory(), 1), (questions[1], "notes\n\nmore", memory, 2), (questions[2], "", memory, 3)]]
+    states = [fg.AgentState(question=q, memory=fg.Memory()) for q in questions]
+    for st, taken in zip(states, (0, 1, 2)):  # turns 1, 2 and 3
+        st.memory.add("Python_Coder_Tool", "x", {"query": "print(1)"}, {"stdout": "This is step 9 of at most 9.\n"})
+        st.turns += [fg.Turn(plan_text="", plan=None, call=None, result=None)] * taken
+    prompts = [fg.planner_prompt(st.question, "notes\n\nmore", tools, st.memory, len(st.turns) + 1, 3) for st in states]
     plan = fg.scripted_planner(["Python_Coder_Tool", "Generalist_Solution_Generator_Tool"])
-    assert [json.loads(p) for p in plan(prompts)] == [
+    assert [json.loads(p) for p in plan(prompts, states)] == [
         {"sub_goal": questions[0], "tool_name": "Python_Coder_Tool"},
         {"sub_goal": "Who?", "tool_name": "Generalist_Solution_Generator_Tool"},
         {"sub_goal": "Why?", "tool_name": "Generalist_Solution_Generator_Tool"}]  # turn 3: the last tool again
+    states = fg.solve_batch(questions[:1], planner=plan, frozen=ScriptedEngine(lambda p: "<answer>4</answer>"),
+                            tools=tools, max_turns=3, verify=False, analysis=False)  # in the agent loop: 3 turns
+    assert [t.plan.tool_name for t in states[0].turns] == ["Python_Coder_Tool"] + ["Generalist_Solution_Generator_Tool"] * 2
     assert fg.parse_config(["--eval", "--plan-tools", "Python_Coder_Tool"]).plan_tools == "Python_Coder_Tool"
     for argv in (["--plan-tools", "Python_Coder_Tool"], ["--eval", "--plan-tools", "Bogus_Tool"],
                  ["--eval", "--tools", "Python_Coder_Tool", "--plan-tools", "Python_Coder_Tool,Web_RAG_Search_Tool"]):
@@ -4595,25 +4605,35 @@ def test_dynamic_sampling_keeps_groups_with_variance_and_bounds_the_tries(monkey
     flat = {"q0", "q1", "q2", "q3", "q4", "q5", "q6"}  # these questions give equal rewards in their group
     calls = []
 
-    def fake(model, tok, batch, frozen, judge, tools, cfg, timings):
-        calls.append([b["question"] for b in batch])
-        states = [fg.AgentState(question=b["question"], memory=fg.Memory()) for b in batch for _ in range(2)]
-        rewards = [0.0 if st.question in flat else float(i % 2) for i, st in enumerate(states)]
-        return states, rewards, 0
-    monkeypatch.setattr(fg, "rollout_and_judge", fake)
-    states, rewards, c = fg.dynamic_batch(None, None, [data[0], data[1]], data, None, None, {}, cfg, 1, {})
+    def fake_rollout(model, tok, questions, cfg, frozen, tools, group_size, timings):
+        calls.append(questions)
+        return [fg.AgentState(question=q, memory=fg.Memory()) for q in questions for _ in range(group_size)]
+
+    def fake_judge(questions, answers, truths, judge, sources):
+        return [0.0 if q in flat else float(i % 2) for i, q in enumerate(questions)], 0
+
+    def phases_1_and_2(cfg):  # as train_step runs them
+        states, rewards, c = fg.rollout_and_judge(None, None, [data[0], data[1]], None, None, {}, cfg, {})
+        if cfg.dynamic_sampling:
+            states, rewards = fg.dynamic_sampling(None, None, states, rewards, c, data, None, None, {}, cfg, 1, {})
+        return states, rewards, c
+
+    monkeypatch.setattr(fg, "rollout", fake_rollout)
+    monkeypatch.setattr(fg, "judge_rewards", fake_judge)
+    states, rewards, c = phases_1_and_2(cfg)
     kept = [st.question for st in states]
     assert len(states) == 4 and all(q not in flat for q in kept) and len(calls) <= 4
     assert kept[0] == kept[1] and kept[2] == kept[3] and rewards[0] != rewards[1]  # whole groups, in order
     assert c["rollouts"] == len(calls) and c["flat_groups"] == sum(q in flat for qs in calls for q in qs)
     flat.update(f"q{i}" for i in range(10))  # nothing has variance: the tries stop at the bound, nothing is kept
     calls.clear()
-    states, _, c = fg.dynamic_batch(None, None, [data[0], data[1]], data, None, None, {}, cfg, 1, {})
+    states, _, c = phases_1_and_2(cfg)
     assert states == [] and len(calls) == 4 and c["groups"] == 8
     cfg.dynamic_sampling = 0  # off: one rollout, every group kept
     calls.clear()
-    states, _, _ = fg.dynamic_batch(None, None, [data[0], data[1]], data, None, None, {}, cfg, 1, {})
+    states, _, _ = phases_1_and_2(cfg)
     assert len(calls) == 1 and len(states) == 4
+
 
 
 def test_eval_every_writes_held_out_accuracy_per_kind_and_plot_shows_it(tmp_path, sample_data, monkeypatch, capsys):
