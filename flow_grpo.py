@@ -1503,10 +1503,12 @@ class SchemaMask:
                                                         self.bitmask_BW)
             bytes_RN = self.bitmask_BW[batch].to(logits_RV.device).view(torch.uint8)  # little-endian: 8n+j is bit j
             bias_RT = self.BYTE_BIAS_256x8.to(logits_RV).index_select(0, bytes_RN.flatten().long()).view(len(batch), -1)
-            T = min(bias_RT.shape[1], logits_RV.shape[1])  # T: the tokenizer's vocab rounded up to 32, or the model's
-            scores_RV = logits_RV[refused]  # a copy; beyond T, the model's vocab padded beyond the tokenizer's: closed
-            scores_RV[:, :T] += bias_RT[:, :T]  # adding -inf: no branch per element, unlike masked_fill_
-            for r, t in zip(refused, argmax_rows(scores_RV[:, :T])):
+            # The columns both cover: the tokenizer's vocabulary rounded up to 32, or the model's if smaller. Beyond
+            # them, the model's vocabulary padded beyond the tokenizer's: never chosen.
+            width = min(bias_RT.shape[1], logits_RV.shape[1])
+            scores_RV = logits_RV[refused]  # a copy
+            scores_RV[:, :width] += bias_RT[:, :width]  # adding -inf: no branch per element, unlike masked_fill_
+            for r, t in zip(refused, argmax_rows(scores_RV[:, :width])):
                 top[r] = t
         for r, i in enumerate(rows):
             if i in self.matchers:
@@ -2278,15 +2280,27 @@ ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are o
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
                            "\u2264": "\\le ", "\u2265": "\\ge ", **{chr(0x2080 + i): str(i) for i in range(10)}})
 MONTHS = "january february march april may june july august september october november december".split()
-NUMBER_WORDS = {w: i if i <= 20 else 10 * (i - 18) for i, w in enumerate("zero one two three four five six seven eight "
-                "nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty "
-                "thirty forty fifty sixty seventy eighty ninety".split())} | {"infinity": "\\infty"}
-NUMBER_WORDS |= {f"{t}-{u}": a + b for t, a in [*NUMBER_WORDS.items()][20:28] for u, b in [*NUMBER_WORDS.items()][1:10]}
+UNITS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+         "seventeen eighteen nineteen").split()
+TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+NUMBER_WORDS = {word: n for n, word in enumerate(UNITS)} | {word: 20 + 10 * k for k, word in enumerate(TENS)}
+for k, tens in enumerate(TENS):  # 'twenty-one' to 'ninety-nine'
+    for n in range(1, 10):
+        NUMBER_WORDS[f"{tens}-{UNITS[n]}"] = 20 + 10 * k + n
+NUMBER_WORDS["infinity"] = "\\infty"
 # Names: one spelling of a word ('Mt.' is 'mount', 'fourth' '4' as '4th' is), Roman numerals, what ONE side may add
 NAME_WORDS = {"mt": "mount", "st": "saint"} | {w: str(i) for i, w in enumerate("first second third fourth fifth sixth "
               "seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth fifteenth sixteenth seventeenth "
               "eighteenth nineteenth twentieth".split(), 1)}
 ROMAN = dict(I=1, V=5, X=10, L=50, C=100, D=500, M=1000)
+
+
+def roman_value(numeral: str) -> int:
+    """'XIV' -> 14: the letters' values add up, except that one before a larger one subtracts ('IV' is 5 - 1)."""
+    values = [ROMAN[letter] for letter in numeral]
+    return sum(-v if v < after else v for v, after in zip(values, values[1:] + [0]))
+
+
 NAME_EXTRAS = re.compile(r"^(?:dr|sir|saint|king|queen|mrs?|pope) (?=\S+ \S)")  # not 'river', 'mount': Ottawa River
 # The words around a claim in a sentence (claimed): LINKS before it, VERBS or FOLLOWERS after it, no HEDGES
 LINKS = {"is", "are", "was", "were", "be", "by", "in", "on", "at", "to", "as", "about", "equals", "has", "have", "had"}
@@ -2368,9 +2382,9 @@ def spelled(text: str) -> str:
 def normalize_text(text: str, roman: bool = False) -> str:
     """SQuAD-style: lower case, no punctuation, articles or accents, single spaces: 'The Café.' -> 'cafe'. A
     minus stays ('-89.2 °C'); no thousands commas or ordinal endings ('1,454', '4th'); NAME_WORDS; roman: LII is 52."""
-    if roman:  # a valid numeral (not 'IIII'); its letters add, or subtract before a larger one: 'IX' is -1 + 10
-        text = re.sub(r"\b(?=[IVXLCDM]+\b)M{0,3}(?:C[MD]|D?C{0,3})(?:X[CL]|L?X{0,3})(?:I[XV]|V?I{0,3})(?!\w)", lambda m:
-                      str(sum(ROMAN[a] * (-1) ** (ROMAN[a] < ROMAN[b]) for a, b in zip(m[0], m[0][1:] + "I"))), text)
+    if roman:  # a valid numeral only (not 'IIII')
+        numeral = r"\b(?=[IVXLCDM]+\b)M{0,3}(?:C[MD]|D?C{0,3})(?:X[CL]|L?X{0,3})(?:I[XV]|V?I{0,3})(?!\w)"
+        text = re.sub(numeral, lambda m: str(roman_value(m[0])), text)
     t = "".join(c for c in unicodedata.normalize("NFD", text.lower()) if not unicodedata.combining(c))  # not NFKD:
     t = re.sub(r"(?<=\d),(?=\d{3}(?!\d))|(?<=\d)(?:st|nd|rd|th)\b", "", t)  # it reads '10² m' as '102 m'
     t = re.sub(r"(^|[\s(\[{,=+*/])-", r"\1 minus ", t)
@@ -2476,7 +2490,9 @@ def as_interval(text: str) -> str:
     if len(parts) == 3:  # one bound: 'x < 2' is (-\infty, 2), '2 \le x' is [2, \infty)
         parts = ["-\\infty", "<", *parts] if re.fullmatch("[a-z]", parts[0]) else [*parts, "<", "\\infty"]
     if len(parts) == 5 and re.fullmatch("[a-z]", parts[2]) and "," not in parts[0] + parts[4]:
-        return f"{'(['[parts[1] != '<']}{parts[0]}, {parts[4]}{')]'[parts[3] != '<']}"
+        opening = "(" if parts[1] == "<" else "["
+        closing = ")" if parts[3] == "<" else "]"
+        return f"{opening}{parts[0]}, {parts[4]}{closing}"
     return text
 
 
