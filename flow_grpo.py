@@ -290,6 +290,17 @@ def render_chat(tokenizer, prompt: str) -> str:
                                          add_generation_prompt=True)
 
 
+def prefill(model, ids_UP: torch.Tensor, mask_UP: torch.Tensor, src_B: torch.Tensor) -> tuple:
+    """One forward pass over the U left-padded prompts. Row b of the batch (prompt src_B[b]) gets its prompt's last
+    logits, its attention mask, the position of its next token and a copy of its prompt's keys and values (the KV
+    cache, batch first). Returns (logits_BV, mask_BL, next_pos_B, cache)."""
+    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
+    if len(ids_UP) < len(src_B):  # copies where rows share a prompt (all distinct: nothing to copy)
+        out.cache.batch_select_indices(src_B)
+    return out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1, out.cache
+
+
 @torch.no_grad()
 def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
                    share_prefill: bool = True, choose: Optional[Callable] = None) -> list[Sample]:
@@ -298,35 +309,20 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         logp_RV = log_softmax(logits_RV / T)         the exact distribution we sample from; the update recomputes it
         tok_R = multinomial(exp(logp_RV))
         logp_BA[rows_R, step] = logp_RV[tok_R]       kept: the behaviour log-prob of each row's new token
-    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded, so each row's next token goes in the same
-    column:
-        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],
-                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]
-    Position ids come from the mask (cumsum - 1), exactly as the update computes them (action_logprobs).
-    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), and
-    its KV cache is copied to its rows. A row that ends leaves the batch and the cache.
-    choose(rows_R, logits_RV) -> tok_R replaces the sampling: the frozen roles decode greedily under a JSON schema
-    through this same loop (Part II, section 14). No log-probs are computed then (they stay 0)."""
+    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded, so each row's next token goes in one column:
+        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],          positions: mask.cumsum - 1,
+                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]          as in action_logprobs
+    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt).
+    A row that ends leaves the batch and the cache. choose(rows_R, logits_RV) -> tok_R replaces the sampling: the
+    frozen roles decode greedily under a JSON schema in this loop (Part II, section 14); log-probs stay 0 then."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
     enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    ids_UP = enc["input_ids"].to(device)
-    mask_UP = enc["attention_mask"].to(device)
     src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
+    logits_RV, mask_RL, next_pos_R, cache = prefill(model, enc["input_ids"].to(device),
+                                                    enc["attention_mask"].to(device), src_B)
     B = len(prompts)
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
-
-    # Prefill: one forward pass over the distinct prompts; each of the B rows gets its prompt's last logits and cache.
-    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-    cache = out.cache
-    if len(distinct) < B:  # row b gets a copy of its prompt's keys and values (all distinct: nothing to copy)
-        cache.batch_select_indices(src_B)
-    logits_RV = out.logits[src_B, -1]
-    mask_RL = mask_UP[src_B]
-    next_pos_R = pos_UP[src_B, -1] + 1
-
-    # Decode: one token per row still going, until every row has stopped or the limit is reached.
     rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
     tok_BA = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
     logp_BA = torch.zeros(B, max_new_tokens, device=device)
@@ -360,7 +356,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     cut = set(rows_R[going_R].tolist())  # the rows still going at the end: the token limit stopped them
     tok_BA = tok_BA.cpu()
     logp_BA = logp_BA.cpu()
-    P = ids_UP.shape[1]
+    P = enc["input_ids"].shape[1]
     prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
     return [Sample(prompt_ids=prompt_ids_U[u], action_ids=tok_BA[b, :n], logprobs=logp_BA[b, :n],
                    text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True), hit_limit=b in cut)
@@ -790,8 +786,10 @@ class Memory:
         texts = []
         for step in self.steps:
             r = step["result"]
-            found = [p.get("summary", "") for p in r.get("pages", [])] + [r.get("stdout", "")] \
-                if isinstance(r, dict) else [r]
+            if isinstance(r, dict):  # a Wikipedia result's page summaries, a program's output
+                found = [p.get("summary", "") for p in r.get("pages", [])] + [r.get("stdout", "")]
+            else:
+                found = [r]
             texts += [" ".join(str(t).split()) for t in found if str(t).strip()]
         return " ".join(texts)[-max_chars:]
 
@@ -882,6 +880,12 @@ class PhaseTime:
     hit_limit: int = 0
     spans: list = field(default_factory=list)
 
+    def count(self, outputs: list) -> None:
+        """Add the tokens of the Samples among a planner's outputs, and how many the token limit cut."""
+        samples = [o for o in outputs if isinstance(o, Sample)]
+        self.gen_tokens += sum(len(s.action_ids) for s in samples)
+        self.hit_limit += sum(s.hit_limit for s in samples)
+
 
 @contextlib.contextmanager
 def timed(timings: Optional[dict], phase: str, engine: Optional[Engine] = None):
@@ -941,10 +945,9 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str], list[Agen
                 tools: dict, max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
                 analysis: bool = True, timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
     """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis;
-    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools).
-    planner(prompts, states) -> one output per live trajectory: a string, or a Sample (its .text). The prompts are the
-    states s_t as text, what a trained planner reads; the states are the same as data (question, turns so far), what
-    a scripted planner reads (--plan-tools)."""
+    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools). planner(prompts,
+    states) -> an output per live trajectory, a string or a Sample (its .text): a trained planner reads the prompts
+    (the states s_t as text), a scripted one (--plan-tools) the states themselves (question, turns so far)."""
     states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
     with timed(timings, "fixed", frozen):
         for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
@@ -959,9 +962,7 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str], list[Agen
         with timed(timings, "planner") as account:
             prompts = [planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns) for st in live]
             outputs = planner(prompts, live)
-            samples = [o for o in outputs if isinstance(o, Sample)]
-            account.gen_tokens += sum(len(s.action_ids) for s in samples)
-            account.hit_limit += sum(s.hit_limit for s in samples)
+            account.count(outputs)
         texts = [getattr(o, "text", o) for o in outputs]
         plans = [parse_structured(t, NextStep) for t in texts]
         # 2) EXECUTE: the frozen executor turns each plan into a call of the tool it names.
@@ -1485,8 +1486,11 @@ class SchemaMask:
 
     def __init__(self, ll_tokenizer, schemas: list, chars: int, max_chars: int):
         """chars: the characters a row's strings share (a one-string call can hold a long question); max_chars: each."""
-        self.matchers = {i: schema_matcher(ll_tokenizer, s, min(max_chars, max(8, chars // string_slots(s)))).deep_copy()
-                         for i, s in enumerate(schemas) if s}
+        self.matchers = {}  # row -> its matcher; rows without a schema have none
+        for i, schema in enumerate(schemas):
+            if schema:
+                chars_each = min(max_chars, max(8, chars // string_slots(schema)))
+                self.matchers[i] = schema_matcher(ll_tokenizer, schema, chars_each).deep_copy()
         if self.matchers:  # bitmask_BW: W int32 words of 32 tokens, a row per batch row
             import llguidance.torch  # not at the top: it loads torch's compiler (seconds)
             self.bitmask_BW = llguidance.torch.allocate_token_bitmask(len(schemas), ll_tokenizer.vocab_size)
@@ -1650,7 +1654,12 @@ def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
     """The sandbox's first process (`python -I -S -c <this source>`, unprivileged): it lowers the limits, runs the
     snippet from code_fd (-I: a json.py in the cwd cannot shadow the stdlib; -u: output before a kill is kept),
     reaps orphans as PID 1, then writes "init <wait status>" (which tells SIGKILL from sys.exit(137))."""
-    import ast, ctypes, os, pathlib, resource, sys
+    import ast
+    import ctypes
+    import os
+    import pathlib
+    import resource
+    import sys
     os.write(int(status_fd), b"init ")  # "init" alone: init itself was killed (an OOM kill may pick it)
     ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the snippet, same uid, can't ptrace us or open /proc/1/fd
     for kind, want in ast.literal_eval(limits).items():  # never above what we inherited
@@ -2061,8 +2070,8 @@ class PythonCoderTool(Tool):
         code = next((c for want in (("python", "python3", "py", "py3"), ("",)) for lang, c in blocks if lang in want),
                     None)  # the first ```python block, else the first bare one; ```bash never runs
         if code is None:
-            why = "an unclosed ```python block (cut at the token limit?)" if re.search(r"```[ \t]*py", reply, re.I) \
-                else "no ```python code block"
+            unclosed = re.search(r"```[ \t]*py", reply, re.I)
+            why = "an unclosed ```python block (cut at the token limit?)" if unclosed else "no ```python code block"
             return {"code": "", "stdout": "", "error": f"the model's reply contained {why}"}
         result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars)
         silent = result["error"] is None and not result["stdout"].strip()  # not a success: there is no answer in it
@@ -2398,8 +2407,8 @@ def to_date(text: str) -> Optional[tuple]:
     parts = [p for p in re.findall(r"[a-z]+|\d+", text.lower()[:40]) if p not in ("st", "nd", "rd", "th", "of")]
     months = [i + 1 for p in parts for i, m in enumerate(MONTHS) if len(p) > 2 and m.startswith(p)]
     numbers = sorted(int(p) for p in parts if p.isdigit())
-    if len(text) < 40 and len(parts) == 3 and len(months) == 1 and len(numbers) == 2 \
-            and numbers[0] <= 31 < 1000 <= numbers[1]:
+    day_month_year = len(parts) == 3 and len(months) == 1 and len(numbers) == 2
+    if len(text) < 40 and day_month_year and numbers[0] <= 31 < 1000 <= numbers[1]:
         return numbers[1], months[0], numbers[0]
     return None
 
@@ -2408,7 +2417,8 @@ def to_date(text: str) -> Optional[tuple]:
 # ('10^{10^{10}}' never ends) and math-verify's own timeouts use SIGALRM, which works in the main thread only.
 # (multiprocessing would re-import the caller's __main__.) Answers go in \boxed{}: a bare '2\sqrt{3}' parses as 2.
 MATH_WORKER = r"""
-import json, sys
+import json
+import sys
 out, sys.stdout = sys.stdout, sys.stderr  # verdicts alone on the pipe: a stray print cannot shift them by one
 from math_verify import parse, verify
 print("ready", file=out, flush=True)  # imported: from here on each comparison gets SYMPY_TIMEOUT_S
@@ -2723,12 +2733,16 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
     corpus = read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None  # a bad file fails before the model loads
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
+
     def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
         return probe_server(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
-                                    phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
-    frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens) \
-        if cfg.fixed_base_url else LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens,
-                                               max_batch_tokens=cfg.rollout_tokens)
+                                         phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
+
+    if cfg.fixed_base_url:
+        frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens)
+    else:
+        frozen = LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens,
+                             max_batch_tokens=cfg.rollout_tokens)
     frozen.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
     judge = None if cfg.judge == "rule" else frozen
     if judge and cfg.judge_base_url:
