@@ -951,7 +951,7 @@ def test_a_late_frozen_role_call_cannot_switch_the_adapter_off_under_the_planner
 
     def solve(questions, *, planner, **kw):
         late_call()
-        samples = planner([f"plan for {q}" for q in questions])
+        samples = planner([f"plan for {q}" for q in questions], [])
         late_call()  # still in flight when train_step updates
         return [fg.AgentState(question=q, memory=fg.Memory(), final_output="<answer>1</answer>", turns=[
             fg.Turn(plan_text=s.text, plan=None, call=None, result=None, planner_output=s)])
