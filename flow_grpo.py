@@ -119,7 +119,7 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
 
 
-# ======== 2. Config ========
+# ======== 2. Config: one dataclass, a flag per field, the presets ===========================================
 
 def option(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
@@ -260,7 +260,7 @@ def log(msg: str) -> None:
     print(terminal_safe(msg), file=sys.stderr, flush=True)
 
 
-# ======== 3. Sampling with log-prob capture ========
+# ======== 3. Sampling with log-prob capture =================================================================
 # Every sampled token keeps its log-probability under the exact distribution it was drawn from: softmax(raw
 # logits / T), which is what the update recomputes. Nothing else touches the logits (no top-k, top-p, repetition
 # penalty): a truncated behaviour policy would make pi/pi_old != 1 before any update, or need the truncation redone.
@@ -414,7 +414,7 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
 
 
-# ======== 4. Group advantages ========
+# ======== 4. Group advantages ===============================================================================
 
 def group_members(group_ids) -> list[list[int]]:
     """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
@@ -446,7 +446,7 @@ def zero_std_frac(rewards, group_ids) -> float:
     return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
 
 
-# ======== 5. The clipped-ratio loss with k3 KL ========
+# ======== 5. The clipped-ratio loss with k3 KL ==============================================================
 
 AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of --agg (section 5)
 
@@ -509,7 +509,7 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
     return loss, stats
 
 
-# ======== 6. The update ========
+# ======== 6. The update: minibatches, exact gradient accumulation, clip, optimizer step =====================
 
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
@@ -684,7 +684,7 @@ def make_optimizer(model, cfg: Config):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 
-# ======== 7. The plan format ========
+# ======== 7. The plan format, and what the frozen roles answer ==============================================
 
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
 
@@ -748,7 +748,7 @@ class Verification(BaseModel):
     stop_signal: bool = Field(description="true to STOP and answer now, false to CONTINUE")
 
 
-# ======== 8. Memory ========
+# ======== 8. Memory =========================================================================================
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
     """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
@@ -794,7 +794,7 @@ class Memory:
         return " ".join(texts)[-max_chars:]
 
 
-# ======== 9. The agent loop ========
+# ======== 9. The agent loop =================================================================================
 
 # Query analysis -> (plan -> tool call -> tool -> memory -> verify) x T -> final answer. solve_batch() advances many
 # questions in lockstep, one batched engine call per phase (--ask: a batch of one; a rollout: B x G). The frozen
@@ -1016,7 +1016,7 @@ def format_trajectory(st: AgentState) -> str:
     return "\n".join(lines + [f"FINAL: {st.final_output}"])
 
 
-# ======== 10. The rollout: one training row per planner turn ========
+# ======== 10. The rollout: one training row per planner turn ================================================
 
 # One model serves the planner, the update and (adapter off) the frozen roles, and the adapter switch is state of that
 # model: whoever runs it holds MODEL_LOCK. Else a tool thread abandoned at a phase deadline, calling the frozen engine
@@ -1055,7 +1055,7 @@ def build_rows(states: list[AgentState], rewards: list[float], group_ids: list, 
     return [Row(**vars(s), advantage=a, traj_id=i) for (i, s), a in zip(turns, adv_B.tolist())]
 
 
-# ======== 11. The reward ========
+# ======== 11. The reward ====================================================================================
 # R(tau) in {0, 1}: the rule judge (rule_reward, Part II, section 17) compares the final answer with the ground truth;
 # --judge llm asks an LLM for a structured verdict and falls back to the rule where none parses.
 
@@ -1072,7 +1072,7 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
     return [float(v.correct) if v is not None else r for v, r in zip(verdicts, rule)], sum(v is None for v in verdicts)
 
 
-# ======== 12. One training step ========
+# ======== 12. One training step =============================================================================
 
 
 def rollout_and_judge(model, tokenizer, batch: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict,
@@ -1160,7 +1160,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
     return metrics, states, rewards
 
 
-# ======== 13. The training loop ========
+# ======== 13. The training loop =============================================================================
 
 
 def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], n_tokens: int):
@@ -1271,10 +1271,16 @@ def train(cfg: Config) -> Path:
     return last
 
 
-# ======== PART II ========
+##############################################################################################################
+# PART II: THE MACHINERY. Part I has told the whole method; what follows is what it calls by name: engines, the
+# sandbox, tools, the judge's rules, loading and checkpoints, evaluation, the benchmark, the command line. A first
+# reading can stop here.
+##############################################################################################################
 
 
-# ======== 14. LLM engines ========
+# ======== 14. LLM engines and constrained decoding ==========================================================
+# What Part I gets: Engine.generate(prompts, schema=...) for the frozen roles (in-process on the frozen base,
+# decoding under each role's JSON schema, or an OpenAI-compatible server), and drop_ended_rows for sample_actions.
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -1594,10 +1600,10 @@ class LocalEngine(Engine):
         return outs
 
 
-# ======== 15. Sandbox ========
+# ======== 15. The Python sandbox ============================================================================
+# What Part I gets: run_python(code), which the Python tool calls: untrusted model code runs in a jail, never in
+# the trainer's process.
 
-# A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
-# learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
 # --- Sandboxed Python execution: untrusted model code runs inside these layers (the first call logs any missing).
 #   layer                 | what it stops                                     | how
@@ -1861,7 +1867,11 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
     return {"stdout": "", "stderr": "", "error": error, "timed_out": False, "returncode": None}
 
 
-# ======== 16. Tools ========
+# ======== 16. Tools, and the scripted stand-ins for the frozen roles ========================================
+# What Part I gets: make_tools(names, engine) -> {name: Tool}; tool(arguments) runs a call, tool.describe() is its
+# contract in the prompts; and scripted_call / scripted_answer for --scripted-roles.
+# A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
+# learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -2279,7 +2289,8 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
     return tools
 
 
-# ======== 17. Judge ========
+# ======== 17. The judge's rules =============================================================================
+# What Part I gets: rule_reward(answer, ground_truth) -> 1.0 or 0.0; judge_prompt and JudgeVerdict for --judge llm.
 
 # The rule judge: OUR answer extraction, then exact numbers, dates, SQuAD-normalised text, math-verify (10^{3} = 1000,
 # sets in any order), a claim in a short sentence; what needs the question or a long sentence is the LLM judge's
@@ -2574,7 +2585,9 @@ def judge_prompt(question: str, answer: str, ground_truth: str, aliases: Optiona
 ALIASES_BY_SOURCE = {"nq": True, "mathhard": False, "aime24": False}
 
 
-# ======== 18. Loading ========
+# ======== 18. Models, checkpoints and resume ================================================================
+# What Part I gets: build_system (the policy with its LoRA adapter, the frozen engine, the tools, the judge), the
+# data order (batch_indices), and the run's plumbing: resume, checkpoints, the output folder's lock, Ctrl-C.
 
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -2960,7 +2973,9 @@ def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bo
                      f"--max-tokens-per-micro-batch (update) or --rollout-tokens (rollout), then --resume")
 
 
-# ======== 19. Evaluation ========
+# ======== 19. Evaluation ====================================================================================
+# What Part I gets: held_out_metrics (the curve that --eval-every writes) and the metrics of a batch of
+# trajectories (trajectory_metrics); and --eval, --ask.
 
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     """For --eval's last line and the step metrics: turns, plans parsed, calls asked (tool:<name> per tool) and valid
@@ -3079,7 +3094,8 @@ def ask(cfg: Config, device: str) -> None:
     print(terminal_safe(f"{format_trajectory(st)}\nANSWER: {extract_answer(st.final_output)}"))
 
 
-# ======== 20. Benchmark and plots ========
+# ======== 20. Benchmark and plots ===========================================================================
+# Nothing Part I needs: --benchmark (where a step's time and memory go), --learning-curve, --plot.
 
 def overlap_s(spans: list, within: list) -> float:
     """Seconds of the (start, end) spans that fall inside the spans `within`."""
@@ -3250,10 +3266,11 @@ def benchmark(cfg: Config, device: str, group: int = 8) -> None:
 
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:
-    """A line chart of each series per training step, when matplotlib is installed (it is optional)."""
+    """A line chart of each series per training step (matplotlib, in requirements.txt; without it, one line says so)."""
     try:
         import matplotlib.pyplot as plt
     except ImportError:
+        log(f"no {path.name}: matplotlib is not installed (pip install matplotlib)")
         return
     plt.switch_backend("Agg")  # files only, never a window
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -3360,7 +3377,8 @@ def plot_run(cfg: Config) -> None:
                  "mean / share / accuracy per step", f"Flow-GRPO run in {cfg.output_dir}")
 
 
-# ======== 21. CLI ========
+# ======== 21. The command line ==============================================================================
+# Nothing Part I needs: the flags from Config, checked, and main().
 
 CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "row"),
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
