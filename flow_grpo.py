@@ -442,7 +442,8 @@ def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6
 
 def zero_std_frac(rewards, group_ids) -> float:
     """Fraction of groups whose rewards are all equal: they teach nothing this step (watch it in metrics)."""
-    r, groups = [float(x) for x in rewards], group_members(group_ids)
+    r = [float(x) for x in rewards]
+    groups = group_members(group_ids)
     return sum(max(r[i] for i in idx) == min(r[i] for i in idx) for idx in groups) / max(1, len(groups))
 
 
@@ -591,7 +592,9 @@ def minibatch_loss_and_backward(model, rows: list[Row], cfg: Config) -> tuple[Op
     """Accumulate ONE minibatch's gradient over micro-batches, exactly (the weights are the whole minibatch's, sliced).
     Returns (loss, token-weighted clip_frac/kl/ratio_mean), or (None, {}) when the loss was not finite."""
     all_weights_BA = aggregation_weights(pad_right([r.action_ids for r in rows])[1], cfg.agg, [r.traj_id for r in rows])
-    total, sums, keys = 0.0, Counter(), ("clip_frac", "kl", "ratio_mean")
+    total = 0.0
+    sums = Counter()
+    keys = ("clip_frac", "kl", "ratio_mean")
     for idx in micro_batches(model, rows, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
         chunk = [rows[i] for i in idx]  # (packed rows need not be consecutive: their weights are taken by position)
         logp_BA, mask_BA = pad_right(action_logprobs(model, [r.prompt_ids for r in chunk],
@@ -650,7 +653,9 @@ def update_policy(model, optimizer, rows: list[Row], cfg: Config, step: int) -> 
     """ppo_epochs x minibatches (split by trajectory) of: zero_grad -> accumulate -> clip -> step. A minibatch without
     signal costs nothing; one whose loss or gradient norm is not finite is skipped: no NaN reaches the adapter."""
     params = [p for p in model.parameters() if p.requires_grad]
-    sums, skipped, no_signal = Counter(), 0, 0
+    sums = Counter()
+    skipped = 0
+    no_signal = 0
     model.train()
     for epoch in range(cfg.ppo_epochs):
         for mb in minibatches(rows, cfg, step, epoch):
@@ -1174,10 +1179,12 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
     rollout prompts -> {"tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform over tools,
     none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too, after one real step with a
     tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed to 0."""
-    names, kinds = list(tools), [r.get("source") for r in rows]
+    names = list(tools)
+    kinds = [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, losses = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay), []
+    optimizer = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=cfg.weight_decay)
+    losses = []
     model.train()
     for step in range(1, cfg.sft_steps + 1):
         pool = [rows[i]["question"] for i in batch_indices(kinds, order, step, cfg.batch_size)]
@@ -1195,7 +1202,9 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
                       for q, t, m, turn, _ in pairs]
         actions = [torch.tensor(tokenizer(json.dumps({"tool_name": name, "sub_goal": q}), add_special_tokens=False)
                                 ["input_ids"] + [tokenizer.eos_token_id]) for q, _, _, _, name in pairs]
-        total, n_tokens, seq_logp = 0.0, sum(len(a) for a in actions), []
+        total = 0.0
+        n_tokens = sum(len(a) for a in actions)
+        seq_logp = []
         optimizer.zero_grad(set_to_none=True)
         for i in range(0, len(pairs), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
             loss, rows_logp = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
@@ -1386,7 +1395,8 @@ class OpenAIEngine(Engine):
             request = dict(model=self.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                            temperature=self.temperature)
             if mode != "prompt":  # json_object carries the schema too: llama.cpp's servers decode under it
-                name, spec = re.sub(r"[^\w-]", "_", schema.__name__)[:64], schema.model_json_schema()
+                name = re.sub(r"[^\w-]", "_", schema.__name__)[:64]
+                spec = schema.model_json_schema()
                 request["response_format"] = ({"type": mode, "schema": spec} if mode == "json_object" else
                                               {"type": mode, "json_schema": {"name": name, "schema": spec}})
             try:
@@ -1403,10 +1413,13 @@ class OpenAIEngine(Engine):
                             self.mode = self.MODES[self.MODES.index(mode) + 1]
                             self.refusal = f"({mode} refused with HTTP {e.status_code})"
                     continue
-                retry, kind = e.status_code in (429, 500, 502, 503, 504), f"HTTP {e.status_code}"
+                retry = e.status_code in (429, 500, 502, 503, 504)
+                kind = f"HTTP {e.status_code}"
                 error = e.response.text
             except openai.APIConnectionError as e:  # APITimeoutError is one too: a silent server stays silent
-                retry, kind, error = not isinstance(e, openai.APITimeoutError), type(e).__name__, str(e)
+                retry = not isinstance(e, openai.APITimeoutError)
+                kind = type(e).__name__
+                error = str(e)
             except Exception as e:  # a 200 that is no chat completion: garbage, HTML, {"choices": []}, ...
                 return self._failed("malformed", f"a malformed reply ({type(e).__name__}: {e})")
             if not retry or attempt == self.max_retries:
@@ -1500,11 +1513,13 @@ class SchemaMask:
         if self.matchers:  # bitmask_BW: W int32 words of 32 tokens, a row per batch row
             import llguidance.torch  # not at the top: it loads torch's compiler (seconds)
             self.bitmask_BW = llguidance.torch.allocate_token_bitmask(len(schemas), ll_tokenizer.vocab_size)
-            self.vocab, self.executor = ll_tokenizer.vocab_size, llguidance.LLExecutor()  # executor: threads to fill
+            self.vocab = ll_tokenizer.vocab_size
+            self.executor = llguidance.LLExecutor()  # threads to fill the bitmask
 
     def __call__(self, rows_R: torch.Tensor, logits_RV: torch.Tensor) -> torch.Tensor:
         """The token of each row still decoding (rows_R: its row in the batch); each matcher consumes its row's."""
-        rows, top = rows_R.tolist(), argmax_rows(logits_RV)  # one copy from the device; greedy's choice
+        rows = rows_R.tolist()
+        top = argmax_rows(logits_RV)  # greedy's choice, one copy from the device
         refused = [r for r, i in enumerate(rows) if i in self.matchers and (top[r] >= self.vocab
                    or not self.matchers[i].validate_tokens(top[r:r + 1]) or self.matchers[i].compute_ff_bytes())]
         if refused:  # the top token refused, or bytes forced ('ations' not 'ation' + 's'): masks, argmax under them
@@ -1727,7 +1742,8 @@ def _make_cgroups(memory_mb: int) -> list[str]:
 
 def _read_capped(fd: int, max_chars: int, head: bool) -> str:
     """The first (stdout: the answer) or last (stderr: the error) max_chars characters, bounded reads."""
-    size, n = os.fstat(fd).st_size, 4 * max_chars  # UTF-8 takes at most 4 bytes per character
+    size = os.fstat(fd).st_size
+    n = 4 * max_chars  # UTF-8 takes at most 4 bytes per character
     text = os.pread(fd, n, 0 if head else max(0, size - n)).decode("utf-8", errors="replace")
     if len(text) <= max_chars and size <= n:
         return text
@@ -1828,7 +1844,9 @@ def sandbox_missing_layers() -> list[str]:
         if _SANDBOX is None:
             check = ("import os; print(os.getppid() == 1, 'flowgrpo-' in open('/proc/self/cgroup').read(), "
                      "'Seccomp:\\t2' in open('/proc/self/status').read())")
-            errors, seccomp, dead = [], True, None  # the first error is logged: a refusal, or an unforeseen set-up
+            errors = []  # the first error is logged: a refusal, or an unforeseen set-up
+            seccomp = True
+            dead = None
             for jail, cgroups in ((True, os.geteuid() == 0), (True, False), (False, False)):
                 with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
                     probe = _run_sandboxed(check, 10.0, 256, 200, jail, cgroups)
@@ -1857,7 +1875,8 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
     """Run untrusted Python in the sandbox; never raises for what the code does. Returns {"stdout", "stderr",
     "error", "timed_out", "returncode"}; error is None only for a clean run with exit code 0."""
     sandbox_missing_layers()
-    size, error = len(code.encode("utf-8", "replace")), None  # the snippet is a file: RLIMIT_FSIZE would kill init
+    size = len(code.encode("utf-8", "replace"))  # the snippet is a file: RLIMIT_FSIZE would kill init
+    error = None
     try:
         if size < SANDBOX_MAX_FILE_BYTES:
             return _run_sandboxed(code, timeout_s, memory_mb, max_output_chars, *_SANDBOX[:2])
@@ -2017,7 +2036,9 @@ def tool_input(name: str, **fields: str) -> type[BaseModel]:
 
 class RAGTool(Tool):
     """Retrieval: a text -> overlapping word windows -> the top_k best -> an answer written from them only."""
-    top_k, chunk_size, chunk_overlap = 4, 150, 20  # passages kept, words per window, words shared by neighbours
+    top_k = 4  # passages kept
+    chunk_size = 150  # words per window
+    chunk_overlap = 20  # words shared by neighbours
 
     def grounded_prompt(self, query: str, text: str, source: str, if_unanswered: str = "say so") -> str:
         """Answer from the best passages of `text` only, numbered so that the answer can refer to them. The query
@@ -2059,7 +2080,8 @@ class PythonCoderTool(Tool):
                    "the program is written by a language model and can be wrong.")
     tips = ("Use for arithmetic, counting, dates, combinatorics and exact checks. Put the whole task in the query, "
             "with every number it needs.")  # no example task: a small model pastes it into every call
-    memory_mb, max_output_chars = 1024, 4000  # limits of one sandbox run (timeout_s is the third)
+    memory_mb = 1024  # limits of one sandbox run (timeout_s is the third)
+    max_output_chars = 4000
     reads_memory = True  # a task on a number found earlier ("the population of X, plus 250") needs that number
     # Fenced blocks paired in order: ``` at the start of a line (indented or not) opens one, the next one closes it
     FENCED = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
@@ -2118,7 +2140,9 @@ class WikipediaTool(RAGTool):
                    "missed; no very recent events.")
     tips = ("Use for facts about named people, places and things. If a result is a disambiguation page, retry with "
             "one of the listed titles.")  # no example query: a small executor copies it instead of the question
-    max_pages, max_results, chunk_size = 3, 10, 120  # pages read, search hits offered to the engine, words per window
+    max_pages = 3  # pages read
+    max_results = 10  # search hits offered to the engine
+    chunk_size = 120  # words per window
     corpus: Optional[dict[str, str]] = None  # offline (--wiki-corpus): title -> text, searched with BM25, no network
 
     def _select_titles(self, query: str, candidates: list[str]) -> list[str]:
@@ -2295,7 +2319,9 @@ def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max
 # The rule judge: OUR answer extraction, then exact numbers, dates, SQuAD-normalised text, math-verify (10^{3} = 1000,
 # sets in any order), a claim in a short sentence; what needs the question or a long sentence is the LLM judge's
 # (--judge llm). Only the last ANSWER_TAIL characters are read and no pattern backtracks: a huge output costs no more.
-ANSWER_TAIL, SYMPY_MAX, SYMPY_TIMEOUT_S = 4096, 200, 5.0  # longer answers are only compared as strings
+ANSWER_TAIL = 4096  # characters read at the end of an answer
+SYMPY_MAX = 200  # longer answers are only compared as strings
+SYMPY_TIMEOUT_S = 5.0  # the longest one math-verify comparison may take
 # One spelling for what is written several ways (− ∞ π √ ≤ ≥, subscript digits); $ only delimits math
 SPELLINGS = str.maketrans({"\u2212": "-", "\u221e": "\\infty ", "\u03c0": "\\pi ", "\u221a": "\\sqrt ", "$": None,
                            "\u2264": "\\le ", "\u2265": "\\ge ", **{chr(0x2080 + i): str(i) for i in range(10)}})
@@ -2438,7 +2464,8 @@ for line in sys.stdin:
     same = bool(parsed[0] and parsed[1]) and verify(*parsed, float_rounding=15, timeout_seconds=None)  # not 6:
     print(int(same), file=out, flush=True)  # else 1.414214 would be sqrt(2), though 0.33 is not 1/3
 """
-_math_worker, _math_lock = {}, threading.Lock()  # "proc": the running worker; calls from threads take turns on the lock
+_math_worker = {}  # "proc": the running worker
+_math_lock = threading.Lock()  # calls from threads take turns
 
 
 def math_verify_equal(gold: str, pred: str) -> bool:
@@ -2447,7 +2474,8 @@ def math_verify_equal(gold: str, pred: str) -> bool:
         if first := "proc" not in _math_worker:
             _math_worker["proc"] = subprocess.Popen([sys.executable, "-c", MATH_WORKER], stdin=subprocess.PIPE,
                                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        proc, reply = _math_worker["proc"], ""
+        proc = _math_worker["proc"]
+        reply = ""
         try:
             with contextlib.suppress(BrokenPipeError):  # it died
                 # a new worker's imports may take a minute, but only its "ready" line waits that long
@@ -2523,11 +2551,13 @@ def claimed(pred: str, gold: str) -> bool:
     'or', 'and', 'at most'; for a number, another number, save operands before a verb: 'A plus 4 is 9.'), nor when
     the next word makes a longer name ('Paris, Texas', 'Everest base camp', "Jefferson's"); '206 bones' is 206."""
     said = re.split(r"(?<=[a-z0-9)\]}][.!?])\s+", pred)  # '. ' ends a sentence, 'F. Scott' does not
-    words, asked = said[-1].split(), len(said) > 1 and said[-2][-1] == "?"  # 'Who wrote it? Ernest Hemingway.'
+    words = said[-1].split()
+    asked = len(said) > 1 and said[-2][-1] == "?"  # 'Who wrote it? Ernest Hemingway.'
     if pred.endswith("?") or len(words) > 40:  # a question claims nothing; a long sentence is for the LLM judge
         return False
     core = [w.strip(".,;:!?\"'()").lower().replace("\u2019", "'") for w in words] + [""]
-    n, number = len(words), to_number(spelled(gold)) is not None
+    n = len(words)
+    number = to_number(spelled(gold)) is not None
     # A name before the first comma is the answer given; a later one adds to it ('Benjamin Franklin, with edits by
     # Thomas Jefferson' is not 'Thomas Jefferson'). Not 'Yes,' or 'Historically,' (one word: a name has two), nor a
     # sentence whose verb comes later ('Queen Victoria, who reigned from 1837, was succeeded by Edward VII').
@@ -2557,7 +2587,8 @@ def rule_reward(answer: str, ground_truth: str, aliases: Optional[bool] = None) 
     """1.0 if the extracted answer matches a whole gold answer: '1444' is not '144'. "; " joins NQ's aliases
     (aliases=True: '1945; 1946'), or the parts of ONE math answer (False: 'y = 2' is not 'x = 1; y = 2'); None
     guesses (aliases are words). Both sides get one spelling (SPELLINGS, no \\$) and lose \\text{...} wrappers."""
-    truth, parts = str(ground_truth), str(ground_truth).split("; ")
+    truth = str(ground_truth)
+    parts = str(ground_truth).split("; ")
     if aliases is None:  # words, whole brackets
         aliases = any(re.search(r"(?<![\\a-zA-Z])[a-zA-Z]{2}", p) for p in parts) and all(
             p.count(a) == p.count(b) for p in parts for a, b in ("()", "[]", "{}"))
@@ -2608,7 +2639,8 @@ the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 
 
 # --model qwen2.5-1.5b-shape[:LAYERS]: random weights in Qwen2.5-1.5B-Instruct's public shape (DESIGN.md), the tiny
 # tokenizer: its memory and time measured without the Hub (--benchmark), LAYERS fewer layers to extrapolate from on CPU.
-SHAPE_MODEL, QWEN_1_5B = "qwen2.5-1.5b-shape", dict(
+SHAPE_MODEL = "qwen2.5-1.5b-shape"
+QWEN_1_5B = dict(
     hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
     vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
 
@@ -2619,7 +2651,8 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes)
     sizes: Qwen2Config sizes in place of the tiny ones (QWEN_1_5B); the tokenizer's ids stay below 2,048."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-    specials, core = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], Tokenizer(models.BPE())
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # from the 256 bytes: any text encodes
     core.decoder = decoders.ByteLevel()
     core.train_from_iterator([TINY_CORPUS] * 4, trainer=trainers.BpeTrainer(
@@ -2701,7 +2734,8 @@ def load_policy(cfg: Config, device: str, *, trainable: bool):
                 bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype))
         try:  # offline, a typo, a gated repo, a folder or file that holds no model: one line, not a traceback
             name = resolve_model(cfg.model)
-            tokenizer, model = AutoTokenizer.from_pretrained(name), AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: could not load model {cfg.model!r}: {str(e).splitlines()[0][:200]} "
                              f"(for an offline run use --preset smoke)")
@@ -2767,7 +2801,8 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
 
 def ensure_sample_data(cfg: Config) -> None:
     """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
-    own, built = PRESETS.get(cfg.preset, {}), None
+    own = PRESETS.get(cfg.preset, {})
+    built = None
     writers = (("train_file", prepare_data.write_dataset), ("val_file", prepare_data.write_dataset),
                ("wiki_corpus", prepare_data.write_corpus))
     for i, (key, write) in enumerate(writers):
@@ -2783,7 +2818,8 @@ def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int
     """The rows of training step `step` (1, 2, ...) from each row's kind (source). Each epoch shuffles each kind's rows
     (seed + epoch) and deals the kinds in turn: equal shares per batch, so no update pushes one tool on every question
     because its draw was all arithmetic. Pure in the step: a resume draws as the unbroken run would, nothing saved."""
-    n, first = len(kinds), (step - 1) * size  # rows drawn before this step
+    n = len(kinds)
+    first = (step - 1) * size  # rows drawn before this step
     epochs = {}
     for e in range(first // n, (first + size - 1) // n + 1):
         for rows in (by_kind := group_members(kinds)):  # each kind's row indices, kinds in order of first appearance
@@ -2878,7 +2914,8 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
     if (ckpt := latest_checkpoint(out_dir)) is None:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
         return None
-    saved, now = json.loads((ckpt / "config.json").read_text()), run_settings(cfg, train_data)
+    saved = json.loads((ckpt / "config.json").read_text())
+    now = run_settings(cfg, train_data)
     changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in saved if k in now and saved[k] != now[k]
                and (k not in RESUME_SAFE or k.endswith("_base_url") and "" in (saved[k], now[k]))]  # ("": in-process)
     if changed:
@@ -2933,7 +2970,8 @@ class GracefulInterrupt:
     """First Ctrl-C or SIGTERM: finish the step (a checkpoint mid-update would be half a step ahead of its optimizer),
     save, stop. Second: os._exit at once, waiting for nothing; what was saved is whole (logs and checkpoints)."""
     def __enter__(self):  # signal handlers belong to the main thread; elsewhere (some test runners) nothing changes
-        self.requested, main = False, threading.current_thread() is threading.main_thread()
+        self.requested = False
+        main = threading.current_thread() is threading.main_thread()
         self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         return self
 
@@ -2952,7 +2990,8 @@ class GracefulInterrupt:
 
 def warm_start_weights(out_dir: Path, cfg: Config) -> Optional[dict]:
     """pi_ref's adapter: the warm start's (checkpoint-0) when the run has one and a KL term; None: the base."""
-    path, used = out_dir / "checkpoint-0" / "adapter_model.safetensors", cfg.sft_steps > 0 and cfg.kl_coef > 0
+    path = out_dir / "checkpoint-0" / "adapter_model.safetensors"
+    used = cfg.sft_steps > 0 and cfg.kl_coef > 0
     if used and not path.is_file():
         raise SystemExit(f"error: {path} (the warm start, pi_ref of the KL term) is missing; start a new run")
     return load_file(str(path)) if used else None
@@ -3017,7 +3056,10 @@ def engine_planner(engine: Engine) -> Callable[[list[str], list[AgentState]], li
 def greedy_eval(planner: Callable, frozen: Engine, tools: dict, judge: Optional[Engine], rows: list[dict], cfg: Config,
                 batch: int = 16) -> dict:
     """Greedy planner on `rows`: accuracy overall and per kind (the row's source), routes per kind, and agent_counts."""
-    rewards, c, by_kind, routes = [], Counter(), {}, {}
+    rewards = []
+    c = Counter()
+    by_kind = {}
+    routes = {}
     for chunk in tqdm([rows[i:i + batch] for i in range(0, len(rows), batch)], desc="eval", dynamic_ncols=True):
         questions = [r["question"] for r in chunk]
         states = solve_batch(questions, planner=planner, frozen=frozen, tools=tools, **agent_options(cfg))
@@ -3165,10 +3207,13 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     kernels' scratch): a new storage until it is freed (a weak reference's callback); views (alias_info) are free."""
     def __init__(self):
         super().__init__()
-        self.now, self.peak, self.alive = 0, 0, {}
+        self.now = 0  # bytes alive now
+        self.peak = 0  # and at most
+        self.alive = {}  # storage -> a weak reference that subtracts its bytes when it is freed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out, returns = func(*args, **(kwargs or {})), func._schema.returns
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
         for i, t in enumerate(torch.utils._pytree.tree_leaves(out)):
             fresh = isinstance(t, torch.Tensor) and returns[min(i, len(returns) - 1)].alias_info is None
             if fresh and (key := t.untyped_storage().data_ptr()) not in self.alive:
@@ -3185,7 +3230,8 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
 def peak_memory(device: str, fn: Callable[[], Any]) -> tuple[float, float]:
     """(bytes at fn's peak beyond those allocated before, seconds): CUDA's allocator's counter, or LiveBytes on CPU."""
-    t0, base = time.perf_counter(), torch.cuda.memory_allocated() if device == "cuda" else 0
+    t0 = time.perf_counter()
+    base = torch.cuda.memory_allocated() if device == "cuda" else 0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with contextlib.nullcontext() if device == "cuda" else LiveBytes() as live:
