@@ -219,8 +219,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   batch_size=2, group_size=4, max_turns=2, max_new_tokens=64, fixed_max_tokens=32, micro_batch_size=8,
                   gradient_checkpointing=False, eval_every=0,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
-    # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. KL 0.3 to the warm start brakes
-    # the drift of every question to one tool; float32 on a GPU too (bf16 rounds small updates away). README: why.
+    # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. A strong KL (0.3) to the warm
+    # start keeps RL from moving every question to one tool; float32 on a GPU too: bf16 rounds small updates away.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
