@@ -113,7 +113,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-import prepare_data  # writes the parquet files (and builds the presets' offline data); load_questions reads them
+import prepare_data  # the data: writes and reads the parquet files and the corpus, builds the presets' offline data
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on CPU it logs that optional kernels are missing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a renamed property
@@ -1230,7 +1230,7 @@ def train(cfg: Config) -> Path:
     out_dir = Path(cfg.output_dir)
     data_rows = prepare_data.load_questions(cfg.train_file, kinds=cfg.kinds)
     kinds = [r["source"] for r in data_rows]  # batches deal them in turn (batch_indices)
-    train_data = data_fingerprint(data_rows)  # --resume refuses a training file rebuilt with other rows
+    train_data = prepare_data.data_fingerprint(data_rows)  # --resume refuses a training file rebuilt with other rows
     last = resume_point(out_dir, cfg, train_data)  # the checkpoint to resume from; None: step 0
     lock = lock_output_dir(out_dir)  # held while this process lives: two runs in one folder would mix their logs
     model, tokenizer, frozen, tools, judge = build_system(cfg, device, trainable=True)
@@ -2276,26 +2276,6 @@ class WebRAGTool(RAGTool):
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
 
-def read_corpus(path: str) -> dict[str, str]:
-    """--wiki-corpus: JSONL {"title", "text"} pages -> {title: text}; a bad file is one error line naming the line."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"error: --wiki-corpus {path}: cannot read it ({_short_error(e, 120)})") from None
-    pages: dict[str, str] = {}
-    for n, line in enumerate(lines, start=1):
-        try:
-            page = json.loads(line) if line.strip() else None
-            if page is not None:
-                pages[str(page["title"])] = str(page["text"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"error: --wiki-corpus {path} line {n}: not a JSON object with 'title' and 'text' "
-                             f"({_short_error(e, 120)})") from None
-    if not pages:
-        raise SystemExit(f"error: --wiki-corpus {path} holds no page")
-    return pages
-
-
 def make_tools(names: list[str], engine: Engine, *, timeout_s: float = 10.0, max_tokens: Optional[int] = None,
                wiki_corpus: Optional[dict[str, str]] = None, tips: bool = True,
                scripted: bool = False) -> dict[str, Tool]:
@@ -2778,7 +2758,8 @@ def probe_server(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
 def build_system(cfg: Config, device: str, *, trainable: bool):
     """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off), tools and
     the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
-    corpus = read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None  # a bad file fails before the model loads
+    # a bad corpus file fails before the model loads
+    corpus = prepare_data.read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
 
     def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
@@ -2797,21 +2778,6 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     tools = make_tools(tool_names(cfg), frozen, timeout_s=cfg.tool_timeout_s, tips=cfg.tool_tips, wiki_corpus=corpus,
                        scripted=cfg.scripted_roles)
     return model, tokenizer, frozen, tools, judge
-
-
-def ensure_sample_data(cfg: Config) -> None:
-    """A preset's data, built offline by prepare_data.py on first use, at the preset's own paths only."""
-    own = PRESETS.get(cfg.preset, {})
-    built = None
-    writers = (("train_file", prepare_data.write_dataset), ("val_file", prepare_data.write_dataset),
-               ("wiki_corpus", prepare_data.write_corpus))
-    for i, (key, write) in enumerate(writers):
-        path = getattr(cfg, key)
-        if path and path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
-            built = built or (prepare_data.build_tools_task() if cfg.preset != "smoke" else
-                              prepare_data.build_sample(seed=cfg.seed))
-            write(built[i], path)
-            log(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)")
 
 
 def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int]:
@@ -2922,12 +2888,6 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
         raise SystemExit(f"error: --resume would change the run saved in {ckpt}: {'; '.join(changed)}. Only these "
                          f"may change: {', '.join('--' + k.replace('_', '-') for k in RESUME_SAFE[2:])}")
     return ckpt
-
-
-def data_fingerprint(rows: list[dict]) -> str:
-    """The training rows' count and hash, kept in each checkpoint: --resume refuses a file rebuilt with other rows."""
-    digest = hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()
-    return f"{len(rows)} rows, sha256 {digest[:12]}"
 
 
 def lock_output_dir(out_dir: Path):
@@ -3484,7 +3444,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device == "cpu" and cfg.device == "auto" and cfg.model != "tiny":  # no silent fallback: 1.5B on CPU crawls
         raise SystemExit(f"error: no CUDA GPU found, and {cfg.model} needs one; for an offline CPU run use "
                          f"--preset smoke (or force --device cpu)")
-    ensure_sample_data(cfg)  # a preset's offline data, on first use
+    prepare_data.ensure_sample_data(cfg, PRESETS)  # a preset's offline data, on first use
     if cfg.ask or cfg.eval or cfg.benchmark:
         (ask if cfg.ask else evaluate if cfg.eval else benchmark)(cfg, device)
     else:

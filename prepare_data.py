@@ -42,6 +42,7 @@ tried on a laptop without touching the network.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import operator
@@ -699,6 +700,51 @@ def load_questions(path: str, limit: int = 0, kinds: str = "") -> list[dict]:
             fail(f"holds no question of the kinds {wanted}; its kinds: {sorted({r['source'] for r in rows})}")
         rows = chosen
     return rows[:limit] if limit else rows
+
+
+def read_corpus(path: str) -> dict[str, str]:
+    """--wiki-corpus: JSONL {"title", "text"} pages -> {title: text}; a bad file is one error line naming the line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: --wiki-corpus {path}: cannot read it ({_error_line(e)})") from None
+    pages: dict[str, str] = {}
+    for n, line in enumerate(lines, start=1):
+        try:
+            page = json.loads(line) if line.strip() else None
+            if page is not None:
+                pages[str(page["title"])] = str(page["text"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: --wiki-corpus {path} line {n}: not a JSON object with 'title' and 'text' "
+                             f"({_error_line(e)})") from None
+    if not pages:
+        raise SystemExit(f"error: --wiki-corpus {path} holds no page")
+    return pages
+
+
+def _error_line(e: BaseException, max_chars: int = 120) -> str:
+    """'TypeName: message' on one bounded line."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
+
+
+def data_fingerprint(rows: list[dict]) -> str:
+    """The training rows' count and hash, kept in each checkpoint: --resume refuses a file rebuilt with other rows."""
+    digest = hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()
+    return f"{len(rows)} rows, sha256 {digest[:12]}"
+
+
+def ensure_sample_data(cfg, presets: dict) -> None:
+    """A preset's data, built offline on first use, at the preset's own paths only (`presets`: flow_grpo's PRESETS;
+    `cfg`: its Config, read for the paths, the preset and the seed)."""
+    own = presets.get(cfg.preset, {})
+    built = None
+    writers = (("train_file", write_dataset), ("val_file", write_dataset), ("wiki_corpus", write_corpus))
+    for i, (key, write) in enumerate(writers):
+        path = getattr(cfg, key)
+        if path and path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
+            built = built or (build_tools_task() if cfg.preset != "smoke" else build_sample(seed=cfg.seed))
+            write(built[i], path)
+            print(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- CLI

@@ -3417,9 +3417,10 @@ def test_smoke_sample_data_never_overwrites_user_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     user = tmp_path / "mine.parquet"
     user.write_bytes(b"my data")
-    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke", "--train-file", str(user), "--val-file", "gone.parquet"]))
+    mine = fg.parse_config(["--preset", "smoke", "--train-file", str(user), "--val-file", "gone.parquet"])
+    prepare_data.ensure_sample_data(mine, fg.PRESETS)
     assert user.read_bytes() == b"my data" and not (tmp_path / "gone.parquet").exists()
-    fg.ensure_sample_data(fg.parse_config(["--preset", "smoke"]))  # the preset's own paths: written
+    prepare_data.ensure_sample_data(fg.parse_config(["--preset", "smoke"]), fg.PRESETS)  # the preset's own paths: written
     assert (tmp_path / fg.PRESETS["smoke"]["train_file"]).exists() and (tmp_path / fg.PRESETS["smoke"]["val_file"]).exists()
 
 
@@ -4402,9 +4403,9 @@ def test_tools_task_is_seeded_computed_from_the_corpus_and_held_out(tmp_path, mo
     assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0.3 and cfg.device == "cpu"
     assert cfg.micro_batch_size % cfg.group_size == 0  # a group per micro-batch: its prompt runs once
     assert fg.parse_config(["--preset", "cpu", "--device", "cuda"]).dtype == "float32"  # bf16 would round updates away
-    fg.ensure_sample_data(cfg)
+    prepare_data.ensure_sample_data(cfg, fg.PRESETS)
     assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
-    assert len(fg.read_corpus(cfg.wiki_corpus)) == 80
+    assert len(prepare_data.read_corpus(cfg.wiki_corpus)) == 80
     assert run_script("--tools-task", "--out-dir", tmp_path / "cli").returncode == 0
     assert pd.read_parquet(tmp_path / "cli" / "tools_task" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
     assert (tmp_path / "cli" / "tools_task" / "corpus.jsonl").read_text() == Path(cfg.wiki_corpus).read_text()
@@ -4494,7 +4495,7 @@ def test_scripted_roles_preset_refuses_roles_without_a_stand_in_and_trains_end_t
     def planner_only(self, prompts, n, schema):  # the greedy planner of the evaluations: its plans do not parse
         return ["{}"] * len(prompts) if self.use_adapter else NoLLM._complete(self, prompts, n, schema)
     monkeypatch.setattr(fg.LocalEngine, "_complete", planner_only)
-    fg.ensure_sample_data(small)
+    prepare_data.ensure_sample_data(small, fg.PRESETS)
     fg.train(small)
     lines = [json.loads(x) for x in (tmp_path / small.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2] and set(lines[-1]["eval_by_kind"]) == {"arithmetic", "lookup",
@@ -4532,7 +4533,7 @@ def test_a_bad_corpus_file_is_one_error_line(tmp_path, content, message):
     if content is not None:
         path.write_text(content)
     with pytest.raises(SystemExit, match=re.escape(message)) as e:
-        fg.read_corpus(str(path))
+        prepare_data.read_corpus(str(path))
     assert str(e.value).startswith("error: --wiki-corpus") and "\n" not in str(e.value)
     if content is not None:  # one CLI run is enough to show the line reaches the user (each costs seconds)
         return
