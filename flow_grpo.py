@@ -197,7 +197,6 @@ class Config:
     weight_decay: float = option(0.0, "AdamW weight decay")
     warmup_steps: int = option(5, "linear warmup steps before the cosine decay")
     max_steps: int = option(200, "training steps (one rollout batch each)")
-    dynamic_sampling: int = option(0, "DAPO: drop equal-reward groups, roll out up to N more batches to fill B groups")
     max_grad_norm: float = option(1.0, "gradient-norm clip")
     lora_r: int = option(16, "LoRA rank")
     lora_alpha: int = option(32, "LoRA alpha (scale = alpha / r)")
@@ -1080,51 +1079,10 @@ def judge_rewards(questions: list[str], answers: list[str], truths: list[str], e
 # ======== 12. One training step =============================================================================
 
 
-def rollout_and_judge(model, tokenizer, batch: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict,
-                      cfg: Config, timings: dict) -> tuple[list[AgentState], list[float], Counter]:
-    """Phases 1 and 2 of a step: G trajectories per question of `batch` (trajectory i answers batch[i // G]), their
-    rewards, and a tally of what was rolled out (the step's log reads it)."""
-    G = cfg.group_size
-    states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, frozen, tools, group_size=G,
-                     timings=timings)
-    rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
-                                       [b["answer"] for b in batch for _ in range(G)], judge,
-                                       [b.get("source") for b in batch for _ in range(G)])
-    flat_groups = zero_std_frac(rewards, [i // G for i in range(len(states))]) * len(batch)
-    tally = Counter(rollouts=1, groups=len(batch), flat_groups=flat_groups, judge_fallbacks=fallbacks,
-                    trajectories=len(states), reward_sum=sum(rewards))
-    return states, rewards, tally
-
-
-def dynamic_sampling(model, tokenizer, states: list[AgentState], rewards: list[float], tally: Counter,
-                     data_rows: list[dict], frozen: Engine, judge: Optional[Engine], tools: dict, cfg: Config,
-                     step: int, timings: dict) -> tuple[list[AgentState], list[float]]:
-    """DAPO's dynamic sampling (--dynamic-sampling N): the groups of equal rewards are dropped, and up to N more batches
-    (drawn by their own seeded RNG: resumable) are rolled out until B groups with variance are kept. The tally counts
-    every batch rolled out."""
-    G = cfg.group_size
-    kept_states: list[AgentState] = []
-    kept_rewards: list[float] = []
-    for attempt in range(cfg.dynamic_sampling + 1):
-        if attempt:
-            draw = random.Random(f"dynamic-{cfg.seed}-{step}-{attempt}")
-            batch = [data_rows[i] for i in draw.sample(range(len(data_rows)), min(cfg.batch_size, len(data_rows)))]
-            states, rewards, more = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
-            tally.update(more)
-        for g in range(0, len(states), G):
-            if max(rewards[g:g + G]) > min(rewards[g:g + G]):
-                kept_states += states[g:g + G]
-                kept_rewards += rewards[g:g + G]
-        if len(kept_states) >= cfg.batch_size * G:
-            break
-    return kept_states[:cfg.batch_size * G], kept_rewards[:cfg.batch_size * G]
-
-
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen: Engine, judge: Optional[Engine],
-               tools: dict, cfg: Config, step: int, data_rows: Optional[list[dict]] = None,
+               tools: dict, cfg: Config, step: int,
                ref_weights: Optional[dict] = None) -> tuple[dict, list[AgentState], list[float]]:
-    """One Flow-GRPO step. Returns its metrics, its trajectories and their rewards. reward_mean and zero_std_frac are
-    over everything rolled out (with --dynamic-sampling, the dropped groups too)."""
+    """One Flow-GRPO step. Returns its metrics, its trajectories and their rewards."""
     G = cfg.group_size
     timings: dict[str, PhaseTime] = {}
     engines = {id(e): e for e in (frozen, judge) if e is not None}.values()  # the judge may be the frozen engine
@@ -1133,11 +1091,12 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
     t0 = time.perf_counter()
 
     # ---- 1. ROLLOUT: B questions x G trajectories in lockstep; the policy samples every planner turn ----------
+    states = rollout(model, tokenizer, [b["question"] for b in batch], cfg, frozen, tools, group_size=G,
+                     timings=timings)  # trajectory i answers batch[i // G]
     # ---- 2. REWARD: the judge compares each final answer with the ground truth, R in {0, 1} -------------------
-    states, rewards, tally = rollout_and_judge(model, tokenizer, batch, frozen, judge, tools, cfg, timings)
-    if cfg.dynamic_sampling:  # DAPO: groups of equal rewards dropped, more batches rolled out to fill B groups
-        states, rewards = dynamic_sampling(model, tokenizer, states, rewards, tally, data_rows or batch, frozen, judge,
-                                           tools, cfg, step, timings)
+    rewards, fallbacks = judge_rewards([st.question for st in states], [st.final_output for st in states],
+                                       [b["answer"] for b in batch for _ in range(G)], judge,
+                                       [b.get("source") for b in batch for _ in range(G)])
 
     # ---- 3. ADVANTAGES: normalised in each group of G, broadcast to every planner turn: one row per turn ------
     rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)
@@ -1152,10 +1111,10 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
 
     # ---- 6. LOG: one line of metrics.jsonl --------------------------------------------------------------------
     phases = {k: timings.get(k, PhaseTime()) for k in ("planner", "fixed", "tools")}
-    metrics = {"step": step, "reward_mean": tally["reward_sum"] / max(1, tally["trajectories"]), **update,
-               "rows": len(rows), "lr": lr, "zero_std_frac": tally["flat_groups"] / max(1, tally["groups"]),
-               "rollouts": tally["rollouts"], "kept_groups": len(states) // G, **trajectory_metrics(states, tools),
-               "judge_fallbacks": tally["judge_fallbacks"], "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
+    metrics = {"step": step, "reward_mean": sum(rewards) / max(1, len(rewards)), **update, "rows": len(rows),
+               "lr": lr, "zero_std_frac": zero_std_frac(rewards, [i // G for i in range(len(states))]),
+               **trajectory_metrics(states, tools), "judge_fallbacks": fallbacks,
+               "rollout_s": t1 - t0, "update_s": time.perf_counter() - t1,
                "planner_tokens_per_s": sum(len(r.action_ids) for r in rows) / max(1e-9, phases["planner"].seconds),
                **{f"time_{k}_s": p.seconds for k, p in phases.items()},
                **{f"gen_tokens_{k}": p.gen_tokens for k, p in phases.items()},
@@ -1260,7 +1219,7 @@ def train(cfg: Config) -> Path:
             rng = rng_state()  # and the random state as it was before the step)
             try:
                 metrics, states, rewards = train_step(model, tokenizer, optimizer, scheduler, batch, frozen, judge,
-                                                      tools, cfg, step, data_rows, ref_weights)
+                                                      tools, cfg, step, ref_weights)
             except torch.cuda.OutOfMemoryError:
                 stop_out_of_memory(out_dir, step, last, optimizer_steps(optimizer) != moved, rng, model, optimizer,
                                    scheduler, cfg, train_data)
@@ -3415,7 +3374,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
         parser.error(f"--tools must name one or more of {known}, not {cfg.tools!r}")
     if cfg.plan_tools and (not cfg.eval or any(t not in tool_names(cfg) for t in cfg.plan_tools.split(","))):
         parser.error(f"--plan-tools is for --eval, with tools of --tools {tool_names(cfg)}, not {cfg.plan_tools!r}")
-    for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps", "dynamic_sampling"):
+    for name in ("eval_limit", "eval_every", "log_rollouts", "sft_steps", "warmup_steps"):
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, not {getattr(cfg, name)!r}")
     if cfg.scripted_roles and (cfg.verify or cfg.analysis or cfg.judge != "rule" or "Web_RAG_Search_Tool" in cfg.tools):

@@ -4600,43 +4600,6 @@ def test_pi_ref_is_the_warm_start_swapped_in_and_the_trained_adapter_comes_back_
         fg.warm_start_weights(tmp_path, cfg)
 
 
-def test_dynamic_sampling_keeps_groups_with_variance_and_bounds_the_tries(monkeypatch):
-    cfg = fg.Config(batch_size=2, group_size=2, dynamic_sampling=3, seed=0)
-    data = [{"question": f"q{i}", "answer": "1"} for i in range(10)]
-    flat = {"q0", "q1", "q2", "q3", "q4", "q5", "q6"}  # these questions give equal rewards in their group
-    calls = []
-
-    def fake_rollout(model, tok, questions, cfg, frozen, tools, group_size, timings):
-        calls.append(questions)
-        return [fg.AgentState(question=q, memory=fg.Memory()) for q in questions for _ in range(group_size)]
-
-    def fake_judge(questions, answers, truths, judge, sources):
-        return [0.0 if q in flat else float(i % 2) for i, q in enumerate(questions)], 0
-
-    def phases_1_and_2(cfg):  # as train_step runs them
-        states, rewards, c = fg.rollout_and_judge(None, None, [data[0], data[1]], None, None, {}, cfg, {})
-        if cfg.dynamic_sampling:
-            states, rewards = fg.dynamic_sampling(None, None, states, rewards, c, data, None, None, {}, cfg, 1, {})
-        return states, rewards, c
-
-    monkeypatch.setattr(fg, "rollout", fake_rollout)
-    monkeypatch.setattr(fg, "judge_rewards", fake_judge)
-    states, rewards, c = phases_1_and_2(cfg)
-    kept = [st.question for st in states]
-    assert len(states) == 4 and all(q not in flat for q in kept) and len(calls) <= 4
-    assert kept[0] == kept[1] and kept[2] == kept[3] and rewards[0] != rewards[1]  # whole groups, in order
-    assert c["rollouts"] == len(calls) and c["flat_groups"] == sum(q in flat for qs in calls for q in qs)
-    flat.update(f"q{i}" for i in range(10))  # nothing has variance: the tries stop at the bound, nothing is kept
-    calls.clear()
-    states, _, c = phases_1_and_2(cfg)
-    assert states == [] and len(calls) == 4 and c["groups"] == 8
-    cfg.dynamic_sampling = 0  # off: one rollout, every group kept
-    calls.clear()
-    states, _, _ = phases_1_and_2(cfg)
-    assert len(calls) == 1 and len(states) == 4
-
-
-
 def test_eval_every_writes_held_out_accuracy_per_kind_and_plot_shows_it(tmp_path, sample_data, monkeypatch, capsys):
     val = [prepare_data.make_row(f"What is {i} + 1?", str(i + 1), kind, i)
            for i, kind in enumerate(["arithmetic", "lookup", "compound", "arithmetic"])]
