@@ -877,12 +877,11 @@ class AgentState:
 
 @dataclass
 class PhaseTime:
-    """One rollout phase's account (planner, fixed, tools): its wall-clock seconds, the tokens it generated, the
-    outputs the token limit cut, and its (start, end) spans (--benchmark tells the forward passes in them apart)."""
+    """One rollout phase's account (planner, fixed, tools): its wall-clock seconds, the tokens it generated and the
+    outputs the token limit cut."""
     seconds: float = 0.0
     gen_tokens: int = 0
     hit_limit: int = 0
-    spans: list = field(default_factory=list)
 
     def count(self, outputs: list) -> None:
         """Add the tokens of the Samples among a planner's outputs, and how many the token limit cut."""
@@ -894,15 +893,13 @@ class PhaseTime:
 @contextlib.contextmanager
 def timed(timings: Optional[dict], phase: str, engine: Optional[Engine] = None):
     """Account the block to timings[phase], a PhaseTime (yielded, so that the block can add its own counts): its
-    seconds and span, and what `engine` generated meanwhile (an engine counts its own tokens, as its requests).
+    seconds, and what `engine` generated meanwhile (an engine counts its own tokens, as its requests).
     timings None: nothing is kept."""
     account = PhaseTime() if timings is None else timings.setdefault(phase, PhaseTime())
     before = Counter(getattr(engine, "generated", {}))
     start = time.perf_counter()
     yield account
-    end = time.perf_counter()
-    account.seconds += end - start
-    account.spans.append((start, end))
+    account.seconds += time.perf_counter() - start
     made = Counter(getattr(engine, "generated", {})) - before
     account.gen_tokens += made["gen_tokens"]
     account.hit_limit += made["hit_limit"]
@@ -1260,7 +1257,6 @@ class Engine:
     temperature: float = 0.0  # 0 = greedy decoding (LocalEngine always is)
     dedup: bool = True  # send duplicate prompts once when greedy (False: every copy again, --benchmark's "unshared")
     generated: Counter  # tokens decoded (gen_tokens) and outputs the token limit cut (hit_limit); set in __init__
-    decoded: Optional[list] = None  # a list: every prompt really decoded is appended to it (--benchmark counts them)
 
     def generate(self, prompts: list[str], *, schema: Optional[type[BaseModel]] = None,
                  max_tokens: Optional[int] = None) -> list[Any]:
@@ -1336,8 +1332,6 @@ class OpenAIEngine(Engine):
         self._logged: set[str] = set()  # the kinds of failure logged already
 
     def _complete(self, prompts, max_tokens, schema):
-        if self.decoded is not None:
-            self.decoded += prompts
         texts = run_in_threads(lambda p: self._one(p, max_tokens, schema), prompts, self._slots,
                                self.phase_timeout_s, f"{len(prompts)} requests to {self.base_url}")
         with self._lock:  # abandoned requests count here, once; their threads' late results are dropped
@@ -1553,8 +1547,6 @@ class LocalEngine(Engine):
     def _generate(self, prompts: list[str], max_tokens: int, schemas: Optional[list] = None) -> list[str]:
         """Greedy texts, row i decoded under schemas[i] if not None; left-padded: generation appends on the right."""
         schemas = schemas or [None] * len(prompts)
-        if self.decoded is not None:
-            self.decoded += prompts
         if self._ll_tokenizer is None and any(schemas):
             import llguidance.hf
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
@@ -3058,23 +3050,14 @@ def ask(cfg: Config, device: str) -> None:
 # ======== 20. Benchmark and plots ===========================================================================
 # Nothing Part I needs: --benchmark (where a step's time and memory go), --learning-curve, --plot.
 
-def overlap_s(spans: list, within: list) -> float:
-    """Seconds of the (start, end) spans that fall inside the spans `within`."""
-    return sum(max(0.0, min(end, e) - max(start, s)) for start, end in spans for s, e in within)
-
-
-def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools,
-                   forward_spans: list = ()) -> None:
+def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> None:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
-    trajectory at a time, same questions, engines and seed. forward_spans: the model's forward passes, as (start, end)
-    (benchmark's hooks): each phase's seconds are split into those and the rest."""
+    trajectory at a time, same questions, engines and seed; each mode's seconds per phase."""
     total: dict[str, PhaseTime] = {}  # each mode's seconds
-    frozen.decoded = []  # every prompt the frozen roles really decode (LocalEngine: after its batching)
     for mode in ("lockstep", "unshared", "sequential"):
         log(f"benchmark: {mode} rollout of {len(questions)} questions x G={group}")
         torch.manual_seed(cfg.seed)
         frozen.dedup = mode != "unshared"
-        frozen.decoded.clear()
         t: dict[str, PhaseTime] = {}  # this mode's phases
         runs = [([q], 1) for q in questions for _ in range(group)] if mode == "sequential" else [(questions, group)]
         with timed(total, mode):
@@ -3087,14 +3070,9 @@ def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: i
                 fill_old_and_ref(model, rows, cfg, step=1)
                 update_policy(model, make_optimizer(model, dataclasses.replace(cfg, lr=0.0))[0], rows, cfg, step=1)
         tokens = sum(len(turn.planner_output.action_ids) for st in states for turn in st.turns)
-        where = []
-        for phase in [k for k in ("planner", "fixed", "tools", "update") if k in t]:
-            seconds, forward = t[phase].seconds, overlap_s(forward_spans, t[phase].spans)
-            where.append(f"{phase} {seconds:.2f}s = forward {forward:.2f}s + rest {seconds - forward:.2f}s")
+        where = [f"{phase} {t[phase].seconds:.2f}s" for phase in ("planner", "fixed", "tools", "update") if phase in t]
         print(f"  {mode:10s} {total[mode].seconds:7.2f}s  planner {tokens / max(1e-9, t['planner'].seconds):8.1f} "
-              f"tok/s  ({', '.join(where)}); frozen roles generated {len(frozen.decoded)} prompts "
-              f"({len(set(frozen.decoded))} distinct)")
-    frozen.decoded = None
+              f"tok/s  ({', '.join(where)})")
     print(f"rollout speedup: {total['sequential'].seconds / total['lockstep'].seconds:.1f}x (lockstep vs sequential), "
           f"{total['unshared'].seconds / total['lockstep'].seconds:.1f}x (vs nothing shared)")
 
@@ -3205,29 +3183,14 @@ def worst_case(cfg: Config, device: str) -> None:
 
 
 def benchmark(cfg: Config, device: str, group: int = 8) -> None:
-    """--benchmark: rollouts, each phase split into the model's forward passes (hooks, GPU waited for) and the rest."""
+    """--benchmark: the three rollout modes timed, phase by phase (qwen2.5-1.5b-shape: the worst case's memory)."""
     if cfg.model.split(":")[0] == SHAPE_MODEL:
         return worst_case(cfg, device)
     questions = [r["question"] for r in prepare_data.load_questions(cfg.train_file, cfg.batch_size, cfg.kinds)]
     model, tokenizer, frozen, tools, _ = build_system(cfg, device, trainable=True)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    starts: list[float] = []
-    spans: list[tuple[float, float]] = []  # every forward pass of the model, as (start, end)
-
-    def before(*_) -> None:
-        sync()
-        starts.append(time.perf_counter())
-
-    def after(*_) -> None:  # (a hook that returned something would replace the model's output)
-        sync()
-        spans.append((starts.pop(), time.perf_counter()))
-
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model  # generate() bypasses peft's forward
-    core.register_forward_pre_hook(before)
-    core.register_forward_hook(after)
     rollout(model, tokenizer, questions[:1], cfg, frozen, tools, group_size=1)  # warm-up: first calls pay one-off costs
     print(f"rollout: {len(questions)} questions x G={group}, {cfg.max_turns} turns, model {cfg.model} on {device}")
-    _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools, spans)
+    _time_rollouts(cfg, model, tokenizer, questions, group, frozen, tools)
 
 
 def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabel: str, title: str) -> None:

@@ -3881,24 +3881,17 @@ def test_cli_smoke_ask_prints_the_trajectory(tmp_path):
     assert time.perf_counter() - t0 < 60
 
 
-def test_cli_smoke_benchmark_prints_its_lines_and_generates_each_greedy_prompt_once(tmp_path):
-    """--benchmark end to end (one question x G=8, one turn): every line of the README's table is printed, the
-    lockstep rollout's frozen roles generate each distinct prompt once (the unshared one all 8 copies), and the
+def test_cli_smoke_benchmark_prints_its_lines(tmp_path):
+    """--benchmark end to end (one question x G=8, one turn): every mode's line, with each phase's seconds, and the
     ratios point the right way (loose bounds: CI machines are shared)."""
     out = subprocess.run([sys.executable, FLOW_GRPO, "--preset", "smoke", "--benchmark", "--batch-size", "1",
                           "--max-turns", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    generated = {m[1]: (int(m[2]), int(m[3])) for m in
-                 re.finditer(r"^  (\w+) .*frozen roles generated (\d+) prompts \((\d+) distinct\)", out.stdout, re.M)}
-    (n_lock, distinct), (n_unshared, _) = generated["lockstep"], generated["unshared"]
-    assert set(generated) == {"lockstep", "unshared", "sequential"} and n_lock == distinct and n_unshared == 8 * distinct
+    modes = {m[1]: m[2] for m in re.finditer(r"^  (\w+) +[\d.]+s  planner +[\d.]+ tok/s  \((.*)\)$", out.stdout, re.M)}
+    assert set(modes) == {"lockstep", "unshared", "sequential"}, out.stdout
+    assert re.findall(r"(\w+) [\d.]+s", modes["lockstep"]) == ["planner", "fixed", "tools", "update"]
     speedup = float(re.search(r"rollout speedup: ([\d.]+)x \(lockstep vs sequential\)", out.stdout)[1])
     assert speedup > 2
-    lockstep = re.search(r"^  lockstep .*", out.stdout, re.M)[0]  # each phase: its seconds = forward + the rest
-    split = {m[1]: (float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
-        r"(\w+) ([\d.]+)s = forward ([\d.]+)s \+ rest (-?[\d.]+)s", lockstep)}
-    assert set(split) == {"planner", "fixed", "tools", "update"}, lockstep
-    assert all(t == pytest.approx(f + r, abs=0.02) for t, f, r in split.values()) and split["planner"][1] > 0
 
 
 def test_benchmark_modes_sample_one_policy_its_timed_update_leaves_the_weights(tmp_path, sample_data, capsys):
