@@ -339,11 +339,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         if not going_R.any() or step == max_new_tokens - 1:
             break
         if not going_R.all():  # a row that ended leaves the batch and the cache: no compute for it at later steps
-            if choose is None:  # sampled rows keep their order: a seed's draws stay on their rows
-                keep_K = going_R.nonzero().squeeze(1)
-                cache.batch_select_indices(keep_K)
-            else:  # greedy rows may change places, which copies less (Part II, section 14)
-                keep_K = drop_ended_rows(cache, going_R)
+            keep_K = going_R.nonzero().squeeze(1)  # the rows keep their order: a seed's draws stay on their rows
+            cache.batch_select_indices(keep_K)
             rows_R = rows_R[keep_K]
             tok_R = tok_R[keep_K]
             mask_RL = mask_RL[keep_K]
@@ -1245,7 +1242,7 @@ def train(cfg: Config) -> Path:
 
 # ======== 14. LLM engines and constrained decoding ==========================================================
 # What Part I gets: Engine.generate(prompts, schema=...) for the frozen roles (in-process on the frozen base,
-# decoding under each role's JSON schema, or an OpenAI-compatible server), and drop_ended_rows for sample_actions.
+# decoding under each role's JSON schema, or an OpenAI-compatible server).
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -1387,28 +1384,6 @@ class OpenAIEngine(Engine):
             log(f"[engine] {self.base_url}: {what[:300]} (later ones of this kind are only counted)")
 
 
-def drop_ended_rows(cache, going_R: torch.Tensor) -> torch.Tensor:
-    """The greedy decoder's fast way to cut the batch to the K rows still going (sample_actions' plain way selects
-    them in order, which copies every kept row's keys and values). Here the last rows still going move into the holes
-    that ended rows left, so only the movers are copied, and the cache is cut to its first K rows, a view. Returns
-    keep_K, each kept row's old index. Caches other than transformers' plain dynamic layers (shared KV, indexers)
-    keep the plain way."""
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
-        keep_K = going_R.nonzero().squeeze(1)
-        cache.batch_select_indices(keep_K)
-        return keep_K
-    K = int(going_R.sum())
-    holes = (~going_R[:K]).nonzero().squeeze(1)  # ended rows among the first K
-    movers = going_R[K:].nonzero().squeeze(1) + K  # rows still going beyond them, as many
-    for layer in cache.layers:  # a (keys, values) pair per layer, batch first
-        layer.keys[holes] = layer.keys[movers]
-        layer.values[holes] = layer.values[movers]
-        layer.keys = layer.keys[:K]  # a view: nothing copied
-        layer.values = layer.values[:K]
-    return torch.arange(K, device=going_R.device).index_put((holes,), movers)
-
-
 def json_grammar(schema: type[BaseModel], max_chars: int) -> str:
     """llguidance's grammar for `schema`: compact JSON, no extra keys, strings and lists capped (else a model that
     never closes a string never finishes); caps only shorten, so what fits is valid under the schema itself."""
@@ -1443,11 +1418,6 @@ def schema_matcher(ll_tokenizer, schema: type[BaseModel], max_chars: int) -> llg
     return llguidance.LLMatcher(ll_tokenizer, json_grammar(schema, max_chars))
 
 
-def argmax_rows(x_BV: torch.Tensor) -> list[int]:
-    """Each row's argmax (the first of equal maxima); on CPU numpy's, which is vectorised where torch's is not."""
-    return (torch.from_numpy(x_BV.float().numpy().argmax(1)) if x_BV.device.type == "cpu" else x_BV.argmax(1)).tolist()
-
-
 class SchemaMask:
     """The frozen roles' greedy choice for sample_actions: row i may only emit tokens that keep its text a prefix of
     JSON valid under its schema (an llguidance LLMatcher per row; rows without one are free), then only EOS. A top token
@@ -1472,7 +1442,7 @@ class SchemaMask:
     def __call__(self, rows_R: torch.Tensor, logits_RV: torch.Tensor) -> torch.Tensor:
         """The token of each row still decoding (rows_R: its row in the batch); each matcher consumes its row's."""
         rows = rows_R.tolist()
-        top = argmax_rows(logits_RV)  # greedy's choice, one copy from the device
+        top = logits_RV.argmax(1).tolist()  # greedy's choice (the first of equal maxima), one copy from the device
         refused = [r for r, i in enumerate(rows) if i in self.matchers and (top[r] >= self.vocab
                    or not self.matchers[i].validate_tokens(top[r:r + 1]) or self.matchers[i].compute_ff_bytes())]
         if refused:  # the top token refused, or bytes forced ('ations' not 'ation' + 's'): masks, argmax under them
@@ -1486,7 +1456,7 @@ class SchemaMask:
             width = min(bias_RT.shape[1], logits_RV.shape[1])
             scores_RV = logits_RV[refused]  # a copy
             scores_RV[:, :width] += bias_RT[:, :width]  # adding -inf: no branch per element, unlike masked_fill_
-            for r, t in zip(refused, argmax_rows(scores_RV[:, :width])):
+            for r, t in zip(refused, scores_RV[:, :width].argmax(1).tolist()):
                 top[r] = t
         for r, i in enumerate(rows):
             if i in self.matchers:

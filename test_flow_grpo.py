@@ -1567,29 +1567,8 @@ def test_local_engine_decodes_what_greedy_generate_does(tiny, monkeypatch):
     assert tok.eos_token_id == old_eos  # the module's shared tokenizer is as it was
 
 
-def test_dropping_ended_rows_copies_only_the_rows_that_move(tiny):
-    """Greedy rows: the last rows still going fill the holes and the cache is cut, a view of the same storage (no
-    whole copy); sampled rows keep their order. Either way each kept row's keys and values are its own."""
-    model, tok = tiny
-    enc = tok(rendered(tok, [f"prompt {i} " * (i + 1) for i in range(5)]), return_tensors="pt", padding=True,
-              padding_side="left", add_special_tokens=False)
-    going = torch.tensor([False, True, False, True, True])
-    for keep_order, want in ((True, [1, 3, 4]), (False, [3, 1, 4])):  # holes 0 and 2 take rows 3 and 4
-        cache = model(**enc, use_cache=True).cache
-        before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in cache.layers]
-        if keep_order:  # sample_actions' plain way
-            keep = going.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-        else:
-            keep = fg.drop_ended_rows(cache, going)
-        assert keep.tolist() == want
-        for (keys, values, ptr), layer in zip(before, cache.layers):
-            assert torch.equal(layer.keys, keys[keep]) and torch.equal(layer.values, values[keep])
-            assert (layer.keys.data_ptr() == ptr) != keep_order  # cut in place, or copied
-
-
-def test_greedy_rows_decode_as_alone_when_rows_ending_first_are_replaced(tiny):
-    """Rows 0 and 2 end first, so later rows move into their places (and their cache): every row must still see
+def test_greedy_rows_decode_as_alone_when_rows_ending_first_leave(tiny):
+    """Rows 0 and 2 end first and leave the batch and its cache: every row must still see
     exactly the logits it sees alone - its own mask, positions, cache and per-row choice follow it. The chosen tokens
     depend on row and step (the tiny model's argmax would repeat the prompt's last token whatever the context)."""
     model, tok = tiny
