@@ -239,8 +239,7 @@ def tool_names(cfg: Config) -> list[str]:
     return [t.strip() for t in cfg.tools.split(",") if t.strip()]
 
 
-def agent_options(cfg: Config) -> dict:
-    """The agent loop's knobs (solve_batch's keyword arguments) from the config."""
+def agent_options(cfg: Config) -> dict:  # solve_batch's keyword arguments
     return dict(max_turns=cfg.max_turns, verify=cfg.verify, analysis=cfg.analysis, memory_chars=cfg.memory_chars,
                 tool_workers=cfg.tool_workers, scripted=cfg.scripted_roles)
 
@@ -874,8 +873,7 @@ class AgentState:
 
 @dataclass
 class PhaseTime:
-    """One rollout phase's account (planner, fixed, tools): its wall-clock seconds, the tokens it generated and the
-    outputs the token limit cut."""
+    """One rollout phase's account (planner, fixed, tools): seconds, tokens generated, outputs the token limit cut."""
     seconds: float = 0.0
     gen_tokens: int = 0
     hit_limit: int = 0
@@ -889,9 +887,8 @@ class PhaseTime:
 
 @contextlib.contextmanager
 def timed(timings: Optional[dict], phase: str, engine: Optional[Engine] = None):
-    """Account the block to timings[phase], a PhaseTime (yielded, so that the block can add its own counts): its
-    seconds, and what `engine` generated meanwhile (an engine counts its own tokens, as its requests).
-    timings None: nothing is kept."""
+    """Account the block's seconds, and what `engine` generated meanwhile, to timings[phase] (None: nothing kept), a
+    PhaseTime yielded so that the block can add its own counts (an engine counts its own tokens, as its requests)."""
     account = PhaseTime() if timings is None else timings.setdefault(phase, PhaseTime())
     before = Counter(getattr(engine, "generated", {}))
     start = time.perf_counter()
@@ -2716,8 +2713,7 @@ def batch_indices(kinds: list[str], seed: int, step: int, size: int) -> list[int
 
 
 def run_settings(cfg: Config, train_data: str = "") -> dict:
-    """checkpoint-<step>/config.json: the flags and the training rows' count and hash (a file rebuilt at the same path
-    with other rows would change what every later step draws; --resume compares both)."""
+    """checkpoint-<step>/config.json: the flags and the training rows' fingerprint, which --resume compares."""
     return {**dataclasses.asdict(cfg), **({"train_data": train_data} if train_data else {})}
 
 
@@ -2983,9 +2979,8 @@ def build_agent(cfg: Config, device: str):
 
 
 def scripted_planner(names: list[str]) -> Callable[[list[str], list[AgentState]], list[str]]:
-    """--plan-tools A,B: a planner that names tool A at turn 1, B at turn 2 (and the last one after), with the
-    question as sub-goal (the format-only plan). It reads the states, not the prompts: each one's question, and its
-    turn (the turns it has taken, plus this one)."""
+    """--plan-tools A,B: tool A at turn 1, B at turn 2 (the last one after), the question as sub-goal (the format-only
+    plan). It reads the states (each one's question and turns taken), not the prompts."""
     def plan(prompts: list[str], states: list[AgentState]) -> list[str]:
         return [json.dumps({"tool_name": names[min(len(st.turns) + 1, len(names)) - 1], "sub_goal": st.question})
                 for st in states]
