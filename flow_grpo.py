@@ -133,7 +133,8 @@ class Config:
     eval: bool = option(False, "evaluate the planner greedily on --val-file and print accuracy")
     benchmark: bool = option(False, "time lockstep vs one-at-a-time rollouts and the sampling loop")
     learning_curve: bool = option(False, "train the tiny model on the toy task for 3 seeds, print reward per step")
-    preset: str = option("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on the offline tools task (CPU)")
+    preset: str = option("", "'smoke' = tiny random model, 'cpu' = SmolLM2-135M on the offline tools task (CPU), "
+                         "'scripted-roles' = its two-turn plans, every frozen role an exact rule")
     plot: bool = option(False, "reward, plan-parse rate, tool shares per step of --output-dir's run")
     # --- models and engines ---
     model: str = option("Qwen/Qwen2.5-1.5B-Instruct", "policy base: HF id, folder, .gguf file, 'smollm2-135m', 'tiny'")
