@@ -121,6 +121,7 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # pe
 
 # ======== 2. Config: one dataclass, a flag per field, the presets ===========================================
 
+
 def option(default: Any, help: str) -> Any:
     """A Config field with its --help line, so the dataclass stays the one place to look."""
     return field(default=default, metadata={"help": help})
@@ -412,6 +413,7 @@ def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list:
 
 # ======== 4. Group advantages ===============================================================================
 
+
 def group_members(group_ids) -> list[list[int]]:
     """Row indices per group: ["q1", "q2", "q1"] -> [[0, 2], [1]]; a tensor via .tolist() (its elements hash by id)."""
     members: dict[Any, list[int]] = {}
@@ -450,6 +452,7 @@ AGGREGATIONS = ("turn", "token-mean", "seq-mean-token-mean")  # the choices of -
 
 # Every aggregation is a weighted sum of per-token losses; only the weights differ. Weights computed for a whole
 # minibatch FIRST, then sliced, make gradient accumulation exact: micro-batch losses add up to the minibatch loss.
+
 
 def aggregation_weights(mask_BA: torch.Tensor, agg: str = "turn", traj_ids=None) -> torch.Tensor:
     """Per-token weights [B, A] (B turn-rows, A action tokens) that sum to 1 over the batch:
@@ -507,6 +510,7 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
 
 
 # ======== 6. The update: minibatches, exact gradient accumulation, clip, optimizer step =====================
+
 
 def adapter_disabled(model):
     """Run the frozen base: peft's disable_adapter() when the model carries LoRA, a no-op otherwise."""
@@ -689,6 +693,7 @@ def make_optimizer(model, cfg: Config):
 
 # Every frozen role (query analysis, executor, verifier, final answer, the tools' LLM, the judge) calls Engine.generate.
 
+
 def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     """Model text -> `schema` instance, or None; never raises. Strict JSON first (the text, its last ```json
     fence, its outermost {...} span), then json_repair: single quotes, trailing commas, truncation, prose; of
@@ -735,6 +740,7 @@ class NextStep(BaseModel):
 
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
 
+
 class QueryAnalysis(BaseModel):
     """First step: what the question asks and which skills and tools may help."""
     concise_summary: str = Field(description="the question in one sentence")
@@ -750,6 +756,7 @@ class Verification(BaseModel):
 
 
 # ======== 8. Memory =========================================================================================
+
 
 def json_safe(obj: Any, max_chars: int = 2000, max_items: int = 50) -> Any:
     """A tool result made JSON-safe and short (containers to max_items entries + how many more, objects repr()'d,
@@ -801,6 +808,7 @@ class Memory:
 # questions in lockstep, one batched engine call per phase (--ask: a batch of one; a rollout: B x G). The frozen
 # roles are an Engine (Part II, section 14): engine.generate(prompts, schema=...) gives texts, or objects of the
 # schema (None where unparsed). The tools are Tools (section 16): tool(arguments) runs one call.
+
 
 def describe_tools(tools: dict) -> str:
     return "\n".join(f"- {tool.describe()}" for tool in tools.values()) or "(none)"
@@ -1241,6 +1249,7 @@ def train(cfg: Config) -> Path:
 # ======== 14. LLM engines and constrained decoding ==========================================================
 # What Part I gets: Engine.generate(prompts, schema=...) for the frozen roles (in-process on the frozen base,
 # decoding under each role's JSON schema, or an OpenAI-compatible server).
+
 
 class Engine:
     """Subclasses implement _complete(prompts, max_tokens, schema) -> texts; generate() adds the schema instruction
@@ -1810,6 +1819,7 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
 # contract in the prompts; and scripted_call / scripted_answer for --scripted-roles.
 # A tool has two faces: describe(), the contract the planner and executor read (short, concrete, stable: the policy
 # learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
+
 
 # --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -2519,6 +2529,7 @@ ALIASES_BY_SOURCE = {"nq": True, "mathhard": False, "aime24": False}
 # What Part I gets: build_system (the policy with its LoRA adapter, the frozen engine, the tools, the judge), the
 # data order (batch_indices), and the run's plumbing: resume, checkpoints, the output folder's lock, Ctrl-C.
 
+
 def pick_device(cfg: Config) -> str:
     return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -2894,6 +2905,7 @@ def stop_out_of_memory(out_dir: Path, step: int, last: Optional[Path], moved: bo
 # What Part I gets: held_out_metrics (the curve that --eval-every writes) and the metrics of a batch of
 # trajectories (trajectory_metrics); and --eval, --ask.
 
+
 def agent_counts(states: list[AgentState], tools: dict) -> Counter:
     """For --eval's last line and the step metrics: turns, plans parsed, calls asked (tool:<name> per tool) and valid
     in their schema, and the frozen roles' structured outputs (analysis, calls, verdicts asked) and how many parsed."""
@@ -3015,6 +3027,7 @@ def ask(cfg: Config, device: str) -> None:
 
 # ======== 20. Benchmark and plots ===========================================================================
 # Nothing Part I needs: --benchmark (where a step's time and memory go), --learning-curve, --plot.
+
 
 def _time_rollouts(cfg: Config, model, tokenizer, questions: list[str], group: int, frozen, tools) -> None:
     """Lockstep (the trainer's rollout) vs "unshared" (duplicate prompts generated and prefilled again) vs one
