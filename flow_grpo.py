@@ -3,9 +3,10 @@ flow_grpo.py - Flow-GRPO in one file: train the planner of a tool-using agent wi
 
 THE SYSTEM. A question is answered in turns. At turn t the *planner* (the only model we train: a LoRA adapter on an
 instruct LLM) reads the state s_t = question + query analysis + tool descriptions + memory of earlier steps and
-writes a plan a_t (JSON: tool_name, sub_goal, context, justification). A frozen *executor* turns it into a tool call,
-the *tool* runs, its result goes to *memory*, a frozen *verifier* says STOP or CONTINUE. Finally a frozen *generator*
-writes the answer and a *judge* compares it with the ground truth: one reward R(tau) in {0, 1} per trajectory.
+writes a plan a_t (JSON: step, tool_name, sub_goal, context, justification). A frozen *executor* turns it into a tool
+call, the *tool* runs, its result goes to *memory*, a frozen *verifier* says STOP or CONTINUE. Finally a frozen
+*generator* writes the answer and a *judge* compares it with the ground truth: one reward R(tau) in {0, 1} per
+trajectory.
 
         question --> [query analysis] --> +--> PLANNER (trained) --> executor --> tool --> memory --+
                                           |                                                         |
@@ -730,8 +731,12 @@ def schema_instruction(schema: type[BaseModel]) -> str:
 
 class NextStep(BaseModel):
     """The planner's action a_t: THE text Flow-GRPO trains (unconstrained: a small model skips the optional fields).
-    The tool first: chosen before any free text, the token limit cannot cut it, and greedy evaluation chooses in the
-    state sampling does, not after an exact copy of the question that sampling rarely makes."""
+    The step number, copied from the prompt, then the tool: chosen before any free text, the token limit cannot cut
+    it, and greedy evaluation chooses in the state sampling does (not after an exact copy of the question that sampling
+    rarely makes). Why the step: a small model's tool choice is nearly ONE choice shared by all states (SmolLM2: an
+    update raising Python at turn 2 raised it at turn 1 by 0.87 of that), so turn 2's lesson overwrote turn 1's. The
+    digit just before the tool name is a feature the adapter can learn to tell the turns apart by (README: Results)."""
+    step: int = Field(default=0, description="the number of this step, as in 'This is step N'")
     tool_name: str = Field(description="exactly one tool name from the list")
     sub_goal: str = Field(description="what this one step must achieve")
     context: str = Field(default="", description="facts from the question and memory that the tool needs")
@@ -1135,9 +1140,10 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
 
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
-    rollout prompts -> {"tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform over tools,
-    none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too, after one real step with a
-    tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed to 0."""
+    rollout prompts -> {"step": 1, "tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform
+    over tools, none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too ("step": 2), after
+    one real step with a tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed
+    to 0."""
     names = list(tools)
     kinds = [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
@@ -1159,8 +1165,9 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
         prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, m, turn, cfg.max_turns)),
                                 add_special_tokens=False, return_tensors="pt")["input_ids"][0]
                       for q, t, m, turn, _ in pairs]
-        actions = [torch.tensor(tokenizer(json.dumps({"tool_name": name, "sub_goal": q}), add_special_tokens=False)
-                                ["input_ids"] + [tokenizer.eos_token_id]) for q, _, _, _, name in pairs]
+        actions = [torch.tensor(tokenizer(json.dumps({"step": turn, "tool_name": name, "sub_goal": q}),
+                                          add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+                   for q, _, _, turn, name in pairs]
         total = 0.0
         n_tokens = sum(len(a) for a in actions)
         seq_logp = []

@@ -1636,7 +1636,7 @@ def test_lenient_next_step_needs_only_tool_name_and_sub_goal():
 
 def test_plan_names_its_tool_first_so_the_token_limit_cannot_cut_it(tiny):
     shown = fg.schema_instruction(fg.NextStep)  # the prompt lists tool_name first, the warm start writes it first
-    assert shown.index('"tool_name"') < shown.index('"sub_goal"') < shown.index('"justification"')
+    assert shown.index('"step"') < shown.index('"tool_name"') < shown.index('"sub_goal"') < shown.index('"justification"')
     _, tok = tiny
     text = json.dumps({"tool_name": "Python_Coder_Tool", "sub_goal": "add 3 and 4 then multiply by a long factor"})
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -3613,7 +3613,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     prompts = [p for ps, _ in seen for p in ps]
     plans = [json.loads(tok.decode(a[:-1])) for _, acts in seen for a in acts]
     assert len(plans) == 6 * 12 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
-    assert all(tok.decode(a).startswith('{"tool_name": ') for _, acts in seen for a in acts)  # the decision first
+    assert all(tok.decode(a).startswith('{"step": ') for _, acts in seen for a in acts)  # the step, then the decision
     # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
     turn1 = []
     fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps, _: turn1.extend(ps) or ["x"] * len(ps),
@@ -3629,6 +3629,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
             questions = {q for q, _ in pairs}
             assert len(questions) == 3 and set(pairs) == {(q, t) for q in questions for t in tools}
             assert all(f"This is step {turn} of at most 2." in texts[i] for i in rows)
+            assert all(plans[i]["step"] == turn for i in rows) and all(list(plans[i])[:2] == ["step", "tool_name"] for i in rows)
             assert all(('"Step 1"' in texts[i]) == (turn == 2) for i in rows)
 
 
