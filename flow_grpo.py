@@ -109,7 +109,7 @@ import requests
 import torch
 import wikipedia
 from bs4 import BeautifulSoup
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm import tqdm
@@ -741,6 +741,15 @@ class NextStep(BaseModel):
     sub_goal: str = Field(description="what this one step must achieve")
     context: str = Field(default="", description="facts from the question and memory that the tool needs")
     justification: str = Field(default="", description="why this tool is the right next step")
+
+    @field_validator("step", mode="wrap")
+    @classmethod
+    def any_step(cls, value: Any, handler: Callable) -> int:
+        """A wrong step ("two", null) must not cost the plan its tool: the loop never reads the number."""
+        try:
+            return handler(value)
+        except ValidationError:
+            return 0
 
 
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.

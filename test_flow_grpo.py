@@ -1643,6 +1643,10 @@ def test_plan_names_its_tool_first_so_the_token_limit_cannot_cut_it(tiny):
     cut = tok.decode(ids[: len(ids) // 2])  # what a token limit halfway through leaves
     assert '"sub_goal"' in cut and not cut.rstrip().endswith("}")
     assert fg.parse_structured(cut, fg.NextStep).tool_name == "Python_Coder_Tool"
+    for step in ('"two"', "null", "[1]"):  # a wrong step number keeps the plan (the loop never reads it)
+        plan = fg.parse_structured('{"step": %s, "tool_name": "Python_Coder_Tool", "sub_goal": "x"}' % step, fg.NextStep)
+        assert plan.tool_name == "Python_Coder_Tool" and plan.step == 0
+    assert fg.parse_structured('{"step": "2", "tool_name": "T", "sub_goal": "x"}', fg.NextStep).step == 2
     late = json.dumps({"sub_goal": "add 3 and 4 then multiply by a long factor", "tool_name": "Python_Coder_Tool"})
     assert fg.parse_structured(late[: len(late) // 2], fg.NextStep) is None  # the old order lost the whole plan
 
