@@ -227,7 +227,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
-                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
+                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=8, temperature=1.0, kl_coef=0.3,
                 lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False),
 }
@@ -291,15 +291,38 @@ def render_chat(tokenizer, prompt: str) -> str:
                                          add_generation_prompt=True)
 
 
-def prefill(model, ids_UP: torch.Tensor, mask_UP: torch.Tensor, src_B: torch.Tensor) -> tuple:
-    """One forward pass over the U left-padded prompts. Row b of the batch (prompt src_B[b]) gets its prompt's last
-    logits, its attention mask, the position of its next token and a copy of its prompt's keys and values (the KV
-    cache, batch first). Returns (logits_BV, mask_BL, next_pos_B, cache)."""
-    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-    if len(ids_UP) < len(src_B):  # copies where rows share a prompt (all distinct: nothing to copy)
+def shared_prefix(prompts: list) -> int:
+    """How many leading tokens ALL these prompts share (token-id sequences), leaving each at least its last token:
+    that column's logits predict the action's first token. [[1, 2, 3, 4], [1, 2, 5]] -> 2; [[1, 2]] -> 1."""
+    return min(len(os.path.commonprefix([list(p) for p in prompts])), min(map(len, prompts)) - 1)
+
+
+def prefill(model, prompts_U: list, src_B: torch.Tensor, share: bool = True) -> tuple:
+    """Run U prompts (token-id sequences) for B rows: row b continues prompt src_B[b]. share: each token once - the C
+    tokens every prompt starts with (the planner's role, tools and reply format: ~370 of SmolLM2's tokens), then the
+    rest of each prompt, left-padded after that prefix (the hole is masked; positions are explicit), then a copy of
+    each prompt's keys and values (the KV cache, batch first) per row that reads it; autograd sums the copies'
+    gradients back. Not share: each row's whole prompt, left-padded. Only a prompt's last column becomes logits.
+        prompts [[1, 2, 3, 4], [1, 2, 5]] -> prefix [[1, 2]], rest [[3, 4], [pad, 5]], masks [[1, 1, 1, 1], [1, 1, 0, 1]]
+    Returns (logits_BV, mask_BL, next_pos_B, cache)."""
+    device = src_B.device
+    if not share:
+        prompts_U, src_B = [prompts_U[i] for i in src_B.tolist()], torch.arange(len(src_B), device=device)
+    C = shared_prefix(prompts_U) if share else 0
+    S = max(map(len, prompts_U)) - C
+    ids_US = torch.tensor([[0] * (S + C - len(p)) + list(p[C:]) for p in prompts_U], device=device)
+    mask_UL = torch.tensor([[1] * C + [0] * (S + C - len(p)) + [1] * (len(p) - C) for p in prompts_U], device=device)
+    pos_US = C + (mask_UL[:, C:].cumsum(-1) - 1).clamp(min=0)
+    cache = None
+    if C:  # the shared prefix: one row, then a copy per prompt
+        cache = model(input_ids=torch.tensor([list(prompts_U[0][:C])], device=device), use_cache=True,
+                      position_ids=torch.arange(C, device=device)[None], logits_to_keep=1).cache
+        cache.batch_select_indices(torch.zeros(len(prompts_U), dtype=torch.long, device=device))
+    out = model(input_ids=ids_US, attention_mask=mask_UL, position_ids=pos_US, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    if len(prompts_U) < len(src_B):  # copies where rows share a prompt (all distinct: nothing to copy)
         out.cache.batch_select_indices(src_B)
-    return out.logits[src_B, -1], mask_UP[src_B], pos_UP[src_B, -1] + 1, out.cache
+    return out.logits[src_B, -1], mask_UL[src_B], pos_US[src_B, -1] + 1, out.cache
 
 
 @torch.no_grad()
@@ -317,11 +340,10 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     A row that ends leaves the batch and the cache. choose(rows_R, logits_RV) -> tok_R replaces the sampling: the
     frozen roles decode greedily under a JSON schema in this loop (Part II, section 14); log-probs stay 0 then."""
     device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(prompts)) if share_prefill else prompts
-    enc = tokenizer(distinct, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    src_B = torch.tensor([distinct.index(p) for p in prompts] if share_prefill else range(len(prompts)), device=device)
-    logits_RV, mask_RL, next_pos_R, cache = prefill(model, enc["input_ids"].to(device),
-                                                    enc["attention_mask"].to(device), src_B)
+    distinct = list(dict.fromkeys(prompts))
+    ids_U = tokenizer(distinct, add_special_tokens=False)["input_ids"]
+    src_B = torch.tensor([distinct.index(p) for p in prompts], device=device)
+    logits_RV, mask_RL, next_pos_R, cache = prefill(model, ids_U, src_B, share=share_prefill)
     B = len(prompts)
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
     rows_R = torch.arange(B, device=device)  # R = the rows still decoding, a shrinking subset of the B rows
@@ -354,9 +376,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     cut = set(rows_R[going_R].tolist())  # the rows still going at the end: the token limit stopped them
     tok_BA = tok_BA.cpu()
     logp_BA = logp_BA.cpu()
-    P = enc["input_ids"].shape[1]
-    prompt_ids_U = [enc["input_ids"][u, P - n:] for u, n in enumerate(enc["attention_mask"].sum(1))]  # unpadded
-    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=tok_BA[b, :n], logprobs=logp_BA[b, :n],
+    return [Sample(prompt_ids=torch.tensor(ids_U[u]), action_ids=tok_BA[b, :n], logprobs=logp_BA[b, :n],
                    text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True), hit_limit=b in cut)
             for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
@@ -380,33 +400,32 @@ def decode_chunks(tokenizer, prompts: list[str], max_new_tokens: int, max_tokens
 
 def action_logprobs(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[torch.Tensor], *,
                     temperature: float) -> list[torch.Tensor]:
-    """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. The plain way (the
-    one gradient checkpointing takes, as it keeps no KV cache): every row runs prompt + action, left-padded prompts,
-    right-padded actions. Token j is predicted by the column before it, the prompt's last for j = 0. The fast way: the
-    U DISTINCT prompts (a group's rows share their turn-1 prompt) run once, their KV cache indexed to the B rows by
-    src_B (autograd sums the copies' gradients back), then the actions; only the prompt's last column is turned into
-    logits (a long prompt's would not fit). Pads are masked, their id irrelevant, their logits unread."""
+    """Each action's log-probs under `model` (1-D tensors), recomputed batched and differentiable. Token j is
+    predicted by the column before it, the prompt's last for j = 0. The plain way (the one gradient checkpointing
+    takes, as it keeps no KV cache): every row runs prompt + action, left-padded prompts, right-padded actions. The
+    fast way runs each prompt token once: prefill (the shared prefix, then each DISTINCT prompt's rest: a group's rows
+    share their turn-1 prompt), then the B actions on the rows' copies of the cache. Pads are masked, their id
+    irrelevant, their logits unread."""
     device = next(model.parameters()).device
     keys = [tuple(p.tolist()) for p in prompt_ids_list]
     distinct = list(dict.fromkeys(keys))
     src_B = torch.tensor([distinct.index(k) for k in keys], device=device)
-    P = max(map(len, distinct))
     A = max(len(a) for a in action_ids_list)
-    ids_UP = torch.tensor([[0] * (P - len(p)) + list(p) for p in distinct], device=device)
-    mask_UP = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in distinct], device=device)
     ids_BA = torch.tensor([a.tolist() + [0] * (A - len(a)) for a in action_ids_list], device=device)
     mask_BA = torch.tensor([[1] * len(a) + [0] * (A - len(a)) for a in action_ids_list], device=device)
-    pos_UP = (mask_UP.cumsum(-1) - 1).clamp(min=0)
-    pos_BA = pos_UP[src_B, -1:] + 1 + torch.arange(A, device=device)
-    mask_BL = torch.cat([mask_UP[src_B], mask_BA], 1)
     if getattr(model, "is_gradient_checkpointing", False):  # plain: whole rows
-        logits_BAV = model(input_ids=torch.cat([ids_UP[src_B], ids_BA], 1), attention_mask=mask_BL, use_cache=False,
-                           position_ids=torch.cat([pos_UP[src_B], pos_BA], 1), logits_to_keep=A + 1).logits[:, :-1]
-    else:  # fast: each distinct prompt once
-        out = model(input_ids=ids_UP, attention_mask=mask_UP, position_ids=pos_UP, use_cache=True, logits_to_keep=1)
-        out.cache.batch_select_indices(src_B)  # row b's copy of its prompt's keys and values
-        after = model(input_ids=ids_BA, attention_mask=mask_BL, position_ids=pos_BA, cache=out.cache, use_cache=True)
-        logits_BAV = torch.cat([out.logits[src_B], after.logits[:, :-1]], dim=1)
+        P = max(map(len, keys))
+        ids_BP = torch.tensor([[0] * (P - len(k)) + list(k) for k in keys], device=device)
+        mask_BL = torch.tensor([[0] * (P - len(k)) + [1] * len(k) for k in keys], device=device)
+        mask_BL = torch.cat([mask_BL, mask_BA], 1)
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        logits_BAV = model(input_ids=torch.cat([ids_BP, ids_BA], 1), attention_mask=mask_BL, position_ids=pos_BL,
+                           use_cache=False, logits_to_keep=A + 1).logits[:, :-1]
+    else:  # fast: each prompt token once, then the actions on the rows' copies of the cache
+        logits_BV, mask_BL, next_pos_B, cache = prefill(model, distinct, src_B)
+        after = model(input_ids=ids_BA, attention_mask=torch.cat([mask_BL, mask_BA], 1), cache=cache, use_cache=True,
+                      position_ids=next_pos_B[:, None] + torch.arange(A, device=device))
+        logits_BAV = torch.cat([logits_BV[:, None], after.logits[:, :-1]], dim=1)
     logp_BAV = torch.log_softmax(logits_BAV.float() / (temperature if temperature > 0 else 1.0), dim=-1)
     logp_BA = logp_BAV.gather(-1, ids_BA[:, :, None]).squeeze(-1)
     return [logp_BA[b, :len(a)] for b, a in enumerate(action_ids_list)]
@@ -547,11 +566,15 @@ def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Te
 
 
 def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
-    """The padded tokens action_logprobs runs for these rows: each DISTINCT prompt once, then every row's action; with
-    gradient checkpointing (whole_rows: no KV cache) each row runs prompt and action. Memory grows with this count."""
+    """The padded tokens action_logprobs runs for these rows: their shared prefix once, the rest of each DISTINCT
+    prompt once, then every row's action; with gradient checkpointing (whole_rows: no KV cache) each row runs prompt
+    and action. Memory grows with this count."""
     P, A = max(len(r.prompt_ids) for r in rows), max(len(r.action_ids) for r in rows)
-    U = len(rows) if whole_rows else len({tuple(r.prompt_ids.tolist()) for r in rows})  # prompts run
-    return U * P + len(rows) * A
+    if whole_rows:
+        return len(rows) * (P + A)
+    distinct = {tuple(r.prompt_ids.tolist()) for r in rows}
+    C = shared_prefix(list(distinct))
+    return C + len(distinct) * (P - C) + len(rows) * A
 
 
 def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> list[list[int]]:
@@ -835,13 +858,16 @@ def analysis_prompt(question: str, tools: dict) -> str:
 
 def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
     """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
-    included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
+    included - which is why each turn can be trained on its own prompt with nothing masked inside it. What never
+    changes comes first (role, tools, reply format), the state after it: every prompt starts with the same tokens,
+    which prefill runs once for all the rows of a batch (as a server's prefix cache would)."""
     return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
-            f"Question: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
-            f"Available tools:\n{describe_tools(tools)}\n\nMemory of previous steps:\n{memory.to_text()}\n\n"
+            f"Available tools:\n{describe_tools(tools)}" + schema_instruction(NextStep) +
+            f"\n\nQuestion: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
+            f"Memory of previous steps:\n{memory.to_text()}\n\n"
             f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
-            f"can reach now; build on the memory instead of repeating a step that already worked."
-            + schema_instruction(NextStep))
+            f"can reach now; build on the memory instead of repeating a step that already worked. Reply with the JSON "
+            f"object only.")
 
 
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
@@ -1151,8 +1177,8 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
     rollout prompts -> {"step": 1, "tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform
     over tools, none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too ("step": 2), after
-    one real step with a tool drawn per question (else the planner repeats its memory's tool). Own AdamW, lr decayed
-    to 0."""
+    one real step with a tool drawn per question (else the planner repeats its memory's tool). One forward per question
+    (not --micro-batch-size rows): its prompts share all up to the memory, run once. Own AdamW, lr decayed to 0."""
     names = list(tools)
     kinds = [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
@@ -1163,14 +1189,15 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
     for step in range(1, cfg.sft_steps + 1):
         pool = [rows[i]["question"] for i in batch_indices(kinds, order, step, cfg.batch_size)]
         texts = analyse(pool, frozen, tools) if cfg.analysis else [""] * len(pool)
-        states = [(q, t, Memory(), 1) for q, t in zip(pool, texts)]  # (question, analysis, memory, turn)
+        states = [[(q, t, Memory(), 1)] for q, t in zip(pool, texts)]  # per question: [(q, analysis, memory, turn)]
         if cfg.max_turns > 1:
             draw = random.Random(f"sft-{cfg.seed}-{step}")  # (its own stream: the global ones stay as they were)
             plans = [json.dumps({"tool_name": draw.choice(names), "sub_goal": q}) for q in pool]
             firsts = solve_batch(pool, planner=lambda prompts, states: plans, frozen=frozen, tools=tools,
                                  **{**agent_options(cfg), "max_turns": 1, "analysis": False})
-            states += [(q, t, st.memory, 2) for q, t, st in zip(pool, texts, firsts)]
-        pairs = [(*state, name) for state in states for name in names]  # B x (number of tools) rows, per turn
+            for turns, q, t, st in zip(states, pool, texts, firsts):
+                turns.append((q, t, st.memory, 2))
+        pairs = [(*state, name) for turns in states for state in turns for name in names]  # question-major
         prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, m, turn, cfg.max_turns)),
                                 add_special_tokens=False, return_tensors="pt")["input_ids"][0]
                       for q, t, m, turn, _ in pairs]
@@ -1181,8 +1208,8 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
         n_tokens = sum(len(a) for a in actions)
         seq_logp = []
         optimizer.zero_grad(set_to_none=True)
-        for i in range(0, len(pairs), mb := cfg.micro_batch_size):  # accumulate: the chunks sum to the batch loss
-            loss, rows_logp = sft_loss(model, prompt_ids[i:i + mb], actions[i:i + mb], n_tokens)
+        for i in range(0, len(pairs), n := len(pairs) // len(pool)):  # one question's rows per forward: their
+            loss, rows_logp = sft_loss(model, prompt_ids[i:i + n], actions[i:i + n], n_tokens)  # prompts share a prefix
             loss.backward()
             total, seq_logp = total + loss.item(), seq_logp + rows_logp
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)

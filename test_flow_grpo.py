@@ -412,6 +412,34 @@ def test_shared_prefill_pushes_each_prompt_once_and_drops_finished_rows(tiny):
         handle.remove()
 
 
+def test_prefill_runs_the_prefix_all_prompts_share_once(tiny):
+    """Distinct prompts that start alike (the planner's: role, tools and reply format first): the shared prefix runs
+    once, each prompt's rest once; the samples and their log-probs are those of running every whole prompt."""
+    model, tok = tiny
+    head = "the same long list of tools and the same reply format for every row " * 6
+    prompts = rendered(tok, [head + "Question: 2 + 2?", head + "Question: the population of Voryst?",
+                             head + "Question: x?"]) * 2
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts[:3]]
+    C = fg.shared_prefix(ids)
+    assert C == len(os.path.commonprefix(ids)) > 40 and fg.shared_prefix([ids[0], ids[0]]) == len(ids[0]) - 1
+    seen, handle = count_tokens(model)
+    try:
+        runs = []
+        for share in (True, False):
+            seen.clear()
+            torch.manual_seed(3)
+            runs.append(fg.sample_actions(model, tok, prompts, max_new_tokens=5, temperature=1.0, share_prefill=share))
+            decoded = sum(len(s.action_ids) - 1 for s in runs[-1])
+            rest = max(len(x) for x in ids) - C  # the rests are left-padded to the longest
+            assert sum(seen) == ((C + 3 * rest) if share else 6 * max(map(len, ids))) + decoded, share
+    finally:
+        handle.remove()
+    for s, u in zip(*runs):
+        assert torch.equal(s.action_ids, u.action_ids) and torch.allclose(s.logprobs, u.logprobs, atol=1e-5)
+    again = fg.action_logprobs(model, [s.prompt_ids for s in runs[0]], [s.action_ids for s in runs[0]], temperature=1.0)
+    assert all(torch.allclose(s.logprobs, lp, atol=1e-4) for s, lp in zip(runs[0], again))
+
+
 def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(tiny):
     """Duplicates of prompts of different lengths, interleaved; a token the model samples often is made a stop
     token, so rows end (and leave the batch) at different steps."""
@@ -438,14 +466,16 @@ def test_shared_prefill_logprobs_equal_a_forward_pass_and_the_unshared_samples(t
     assert len({len(s.action_ids) for s in shared}) > 1  # rows really did finish at different steps
 
 
-def test_action_logprobs_shares_prompts_with_the_log_probs_and_gradients_of_separate_rows():
-    """Rows with the same prompt run it once (its KV cache indexed to them): log-probs and gradients must equal the
-    one-pass [prompt | action] layout, which gradient checkpointing uses and which runs every row's prompt again."""
+def test_action_logprobs_shares_prompts_and_their_prefix_with_the_log_probs_and_gradients_of_whole_rows():
+    """Rows with the same prompt run it once, and the prefix all prompts share runs once (their KV caches copied to
+    the rows): log-probs and gradients must equal the one-pass [prompt | action] layout, which gradient
+    checkpointing uses and which runs every row's whole prompt."""
     cfg = fg.parse_config(["--preset", "smoke", "--seed", "3"])
     model = fg.load_policy(cfg, "cpu", trainable=True)[0]
     model.train()
     g = torch.Generator().manual_seed(1)
-    p = [torch.randint(5, 100, (n,), generator=g) for n in (7, 12, 9)]
+    base = torch.randint(5, 100, (6,), generator=g)  # every prompt starts with these 6 tokens
+    p = [torch.cat([base, torch.randint(5, 100, (n,), generator=g)]) for n in (1, 6, 3)]
     prompts = [p[0], p[0], p[1], p[2], p[1]]
     actions = [torch.randint(5, 100, (n,), generator=g) for n in (3, 5, 1, 4, 2)]
     runs, shapes = [], []  # the [rows, columns] of every forward pass
@@ -460,7 +490,8 @@ def test_action_logprobs_shares_prompts_with_the_log_probs_and_gradients_of_sepa
         logps = fg.action_logprobs(model, prompts, actions, temperature=0.7)
         sum((i + 1) * lp.sum() for i, lp in enumerate(logps)).backward()  # a different weight per row
         runs.append((logps, [q.grad.clone() for q in model.parameters() if q.requires_grad]))
-    assert shapes == [(3, 12), (5, 5), (5, 17)]  # 3 distinct prompts once, then 5 actions; checkpointed: 5 whole rows
+    # The shared 6 tokens once, the rest of 3 distinct prompts once, then 5 actions; checkpointed: 5 whole rows
+    assert shapes == [(1, 6), (3, 6), (5, 5), (5, 17)]
     (shared, g_shared), (alone, g_alone) = runs
     assert [len(x) for x in shared] == [len(a) for a in actions]
     for s, a in zip(shared, alone):
@@ -3597,7 +3628,7 @@ def test_sft_warm_start_logs_the_tool_choice_per_question_averaged(monkeypatch, 
     model, tok = fg.load_policy(cfg, "cpu", trainable=True)
     tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
     zero = lambda: sum(p.sum() for p in model.parameters() if p.requires_grad) * 0
-    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)] * (len(a) // 2))  # chunks of 4, then 2 rows
+    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)] * (len(a) // 2))  # one question per call
     monkeypatch.setattr(fg, "sft_loss", fake)
     fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(9)], cfg)
     assert "sft step 1/1: loss 0.0000; tool choice Generalist 0.80, Python 0.20" in capsys.readouterr().err
@@ -3618,17 +3649,21 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     plans = [json.loads(tok.decode(a[:-1])) for _, acts in seen for a in acts]
     assert len(plans) == 6 * 12 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
     assert all(tok.decode(a).startswith('{"step": ') for _, acts in seen for a in acts)  # the step, then the decision
-    # The prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
+    # One forward per question: its 2 turns x 2 tools (question-major, turn 1 first) ...
+    assert [len(ps) for ps, _ in seen] == [4] * 18 and all(len({plans[4 * k + j]["sub_goal"] for j in range(4)}) == 1
+                                                            for k in range(18))
+    # ... the prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
     turn1 = []
-    fg.solve_batch([p["sub_goal"] for p in plans[:6]], planner=lambda ps, _: turn1.extend(ps) or ["x"] * len(ps),
+    firsts = [plans[i] for i in range(0, 12, 4)]  # the first step's 3 questions, turn 1, first tool
+    fg.solve_batch([p["sub_goal"] for p in firsts], planner=lambda ps, _: turn1.extend(ps) or ["x"] * len(ps),
                    frozen=RoleEngine(), tools=tools, max_turns=cfg.max_turns)
-    assert [tok.decode(p) for p in prompts[:6]] == [fg.render_chat(tok, p) for p in turn1[:6]]
+    assert [tok.decode(prompts[i]) for i in range(0, 12, 4)] == [fg.render_chat(tok, p) for p in turn1[:3]]
     # ... and every step pairs each question with every tool once per turn: the demonstrations teach the format, not
     # a choice; turn 2's prompts hold one real step (max_turns 2), so a memory's tool is not simply repeated.
     texts = [tok.decode(p) for p in prompts]
     for step in range(6):
         for turn in (1, 2):
-            rows = range(12 * step + 6 * (turn - 1), 12 * step + 6 * turn)
+            rows = [12 * step + 4 * k + 2 * (turn - 1) + j for k in range(3) for j in range(2)]
             pairs = Counter((plans[i]["sub_goal"], plans[i]["tool_name"]) for i in rows)
             questions = {q for q, _ in pairs}
             assert len(questions) == 3 and set(pairs) == {(q, t) for q in questions for t in tools}
