@@ -3628,7 +3628,7 @@ def test_sft_warm_start_logs_the_tool_choice_per_question_averaged(monkeypatch, 
     model, tok = fg.load_policy(cfg, "cpu", trainable=True)
     tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
     zero = lambda: sum(p.sum() for p in model.parameters() if p.requires_grad) * 0
-    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)] * (len(a) // 2))  # one question per call
+    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)] * (len(a) // 2))  # chunks of 4, then 2 rows
     monkeypatch.setattr(fg, "sft_loss", fake)
     fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(9)], cfg)
     assert "sft step 1/1: loss 0.0000; tool choice Generalist 0.80, Python 0.20" in capsys.readouterr().err
@@ -3649,7 +3649,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     plans = [json.loads(tok.decode(a[:-1])) for _, acts in seen for a in acts]
     assert len(plans) == 6 * 12 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
     assert all(tok.decode(a).startswith('{"step": ') for _, acts in seen for a in acts)  # the step, then the decision
-    # One forward per question: its 2 turns x 2 tools (question-major, turn 1 first) ...
+    # Rows come question-major, turn 1 first (a question's prompts together); here a micro-batch of 4 is one question
     assert [len(ps) for ps, _ in seen] == [4] * 18 and all(len({plans[4 * k + j]["sub_goal"] for j in range(4)}) == 1
                                                             for k in range(18))
     # ... the prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
