@@ -223,20 +223,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. A strong KL (0.3) to the warm
     # start keeps RL from moving every question to one tool; float32 on a GPU too: bf16 rounds small updates away.
-    # A step's rows in one forward (micro_batch_size 24): the prompts' shared tokens run once.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
-                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=24, temperature=1.0, kl_coef=0.3,
+                max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
                 lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False),
 }
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
-# rule-based stand-ins play every frozen role (the reward measures the plan alone). A step costs its prompt tokens.
+# rule-based stand-ins play every frozen role (the reward measures the plan alone). A step costs its prompt tokens:
+# a micro-batch of 8 rows is one question's group (G=4 x 2 turns), whose prompts share all up to their memory.
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3, lr=5e-5,
                                  kl_coef=0.1, sft_steps=24, max_steps=12, eval_every=6, save_every=6, eval_limit=24,
-                                 output_dir="runs/scripted-roles")
+                                 micro_batch_size=8, output_dir="runs/scripted-roles")
 
 
 def tool_names(cfg: Config) -> list[str]:
@@ -300,10 +300,10 @@ def shared_prefix(prompts: list) -> int:
 
 def prefill(model, prompts_U: list, src_B: torch.Tensor, share: bool = True) -> tuple:
     """Run U prompts (token-id sequences) for B rows: row b continues prompt src_B[b]. share: each token once - the C
-    tokens every prompt starts with (the planner's role, tools and reply format: ~370 of SmolLM2's tokens), then the
-    rest of each prompt, left-padded after that prefix (the hole is masked; positions are explicit), then a copy of
-    each prompt's keys and values (the KV cache, batch first) per row that reads it; autograd sums the copies'
-    gradients back. Not share: each row's whole prompt, left-padded. Only a prompt's last column becomes logits.
+    tokens every prompt starts with (one question's turns share all up to their memory), then the rest of each
+    prompt, left-padded after that prefix (the hole is masked; positions are explicit), then a copy of each prompt's
+    keys and values (the KV cache, batch first) per row that reads it; autograd sums the copies' gradients back. Not
+    share: each row's whole prompt, left-padded. Only a prompt's last column becomes logits.
     prompts [[1, 2, 3, 4], [1, 2, 5]] -> prefix [[1, 2]], rests [[3, 4], [pad, 5]], mask [[1, 1, 1, 1], [1, 1, 0, 1]]
     Returns (logits_BV, mask_BL, next_pos_B, cache)."""
     device = src_B.device
@@ -566,7 +566,7 @@ def pad_right(tensors: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Te
     return out_BA, torch.arange(out_BA.shape[1], device=out_BA.device)[None, :] < len_B[:, None]
 
 
-def forward_tokens(rows: list[Sample], whole_rows: bool) -> int:
+def forward_tokens(rows: list[Row], whole_rows: bool) -> int:
     """The padded tokens action_logprobs runs for these rows: their shared prefix once, the rest of each DISTINCT
     prompt once, then every row's action; with gradient checkpointing (whole_rows: no KV cache) each row runs prompt
     and action. Memory grows with this count."""
@@ -578,11 +578,10 @@ def forward_tokens(rows: list[Sample], whole_rows: bool) -> int:
     return C + len(distinct) * (P - C) + len(rows) * A
 
 
-def micro_batches(model, rows: list[Sample], max_rows: int, max_tokens: int) -> list[list[int]]:
-    """Row indices (Rows, or the warm start's demonstrations) of each forward/backward: at most max_rows rows and
-    max_tokens padded tokens (0 = no token cap; a row over it runs alone). Consecutive rows, so where the token cap
-    never binds these are the plain chunks of max_rows rows; where it binds, rows go longest prompt first (a prompt's
-    rows together): micro-batches pad to like lengths."""
+def micro_batches(model, rows: list[Row], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row indices of each forward/backward: at most max_rows rows and max_tokens padded tokens (0 = no token cap; a
+    row over it runs alone). Consecutive rows, so where the token cap never binds these are the plain chunks of max_rows
+    rows; where it binds, rows go longest prompt first (a prompt's rows together): micro-batches pad to like lengths."""
     whole = getattr(model, "is_gradient_checkpointing", False)
     def pack(order) -> list[list[int]]:
         out: list[list[int]] = []
@@ -860,16 +859,13 @@ def analysis_prompt(question: str, tools: dict) -> str:
 
 def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
     """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
-    included - which is why each turn can be trained on its own prompt with nothing masked inside it. What never
-    changes comes first (role, tools, reply format), the state after it: every prompt starts with the same tokens,
-    which prefill runs once for all the rows of a batch (as a server's prefix cache would)."""
+    included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
     return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
-            f"Available tools:\n{describe_tools(tools)}" + schema_instruction(NextStep) +
-            f"\n\nQuestion: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
-            f"Memory of previous steps:\n{memory.to_text()}\n\n"
+            f"Question: {question}\n\n" + (f"Query analysis: {analysis}\n\n" if analysis else "") +
+            f"Available tools:\n{describe_tools(tools)}\n\nMemory of previous steps:\n{memory.to_text()}\n\n"
             f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
-            f"can reach now; build on the memory instead of repeating a step that already worked. Reply with the JSON "
-            f"object only.")
+            f"can reach now; build on the memory instead of repeating a step that already worked."
+            + schema_instruction(NextStep))
 
 
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
@@ -1179,8 +1175,8 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
     rollout prompts -> {"step": 1, "tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform
     over tools, none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too ("step": 2), after
-    one real step with a tool drawn per question (else the planner repeats its memory's tool). The update's
-    micro-batches (question-major rows: a question's prompts together); own AdamW, lr decayed to 0."""
+    one real step with a tool drawn per question (else the planner repeats its memory's tool). One forward per question
+    (not --micro-batch-size rows): its prompts share all up to the memory, run once. Own AdamW, lr decayed to 0."""
     names = list(tools)
     kinds = [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
@@ -1206,17 +1202,14 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
         actions = [torch.tensor(tokenizer(json.dumps({"step": turn, "tool_name": name, "sub_goal": q}),
                                           add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
                    for q, _, _, turn, name in pairs]
-        demos = [Sample(prompt_ids=p, action_ids=a, logprobs=torch.zeros(len(a))) for p, a in zip(prompt_ids, actions)]
         total = 0.0
         n_tokens = sum(len(a) for a in actions)
-        seq_logp = [0.0] * len(demos)
+        seq_logp = []
         optimizer.zero_grad(set_to_none=True)
-        for idx in micro_batches(model, demos, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):  # accumulate:
-            loss, rows_logp = sft_loss(model, [prompt_ids[i] for i in idx], [actions[i] for i in idx], n_tokens)
-            loss.backward()  # the chunks sum to the batch loss
-            total += loss.item()
-            for i, logp in zip(idx, rows_logp):
-                seq_logp[i] = logp
+        for i in range(0, len(pairs), n := len(pairs) // len(pool)):  # one question's rows per forward: their
+            loss, rows_logp = sft_loss(model, prompt_ids[i:i + n], actions[i:i + n], n_tokens)  # prompts share a prefix
+            loss.backward()
+            total, seq_logp = total + loss.item(), seq_logp + rows_logp
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # linear decay to 0
         optimizer.step()

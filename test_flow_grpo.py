@@ -413,7 +413,7 @@ def test_shared_prefill_pushes_each_prompt_once_and_drops_finished_rows(tiny):
 
 
 def test_prefill_runs_the_prefix_all_prompts_share_once(tiny):
-    """Distinct prompts that start alike (the planner's: role, tools and reply format first): the shared prefix runs
+    """Distinct prompts that start alike (one question's turns: all up to their memory): the shared prefix runs
     once, each prompt's rest once; the samples and their log-probs are those of running every whole prompt."""
     model, tok = tiny
     head = "the same long list of tools and the same reply format for every row " * 6
@@ -3628,7 +3628,7 @@ def test_sft_warm_start_logs_the_tool_choice_per_question_averaged(monkeypatch, 
     model, tok = fg.load_policy(cfg, "cpu", trainable=True)
     tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
     zero = lambda: sum(p.sum() for p in model.parameters() if p.requires_grad) * 0
-    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)] * (len(a) // 2))  # chunks of 4, then 2 rows
+    fake = lambda m, p, a, n: (zero(), [math.log(0.8), math.log(0.2)] * (len(a) // 2))  # one question per call
     monkeypatch.setattr(fg, "sft_loss", fake)
     fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(9)], cfg)
     assert "sft step 1/1: loss 0.0000; tool choice Generalist 0.80, Python 0.20" in capsys.readouterr().err
@@ -3649,7 +3649,7 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
     plans = [json.loads(tok.decode(a[:-1])) for _, acts in seen for a in acts]
     assert len(plans) == 6 * 12 and all(a[-1] == tok.eos_token_id for _, acts in seen for a in acts)
     assert all(tok.decode(a).startswith('{"step": ') for _, acts in seen for a in acts)  # the step, then the decision
-    # Rows come question-major, turn 1 first (a question's prompts together); here a micro-batch of 4 is one question
+    # One forward per question: its 2 turns x 2 tools (question-major, turn 1 first) ...
     assert [len(ps) for ps, _ in seen] == [4] * 18 and all(len({plans[4 * k + j]["sub_goal"] for j in range(4)}) == 1
                                                             for k in range(18))
     # ... the prompt is exactly the solver's turn-1 planner prompt (with the frozen analyst's real output) ...
