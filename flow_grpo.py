@@ -337,7 +337,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     The rest is speed: one batch, one KV cache. Prompts are LEFT-padded, so each row's next token goes in one column:
         ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],          positions: mask.cumsum - 1,
                   [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]          as in action_logprobs
-    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt).
+    share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), and
+    the tokens they all open with once (prefill); False: every row's whole prompt (the benchmark's baseline).
     A row that ends leaves the batch and the cache. choose(rows_R, logits_RV) -> tok_R replaces the sampling: the
     frozen roles decode greedily under a JSON schema in this loop (Part II, section 14); log-probs stay 0 then."""
     device = next(model.parameters()).device
