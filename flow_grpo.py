@@ -378,7 +378,8 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
     cut = set(rows_R[going_R].tolist())  # the rows still going at the end: the token limit stopped them
     tok_BA = tok_BA.cpu()
     logp_BA = logp_BA.cpu()
-    return [Sample(prompt_ids=torch.tensor(ids_U[u]), action_ids=tok_BA[b, :n], logprobs=logp_BA[b, :n],
+    prompt_ids_U = [torch.tensor(ids) for ids in ids_U]  # one tensor per distinct prompt, shared by its rows
+    return [Sample(prompt_ids=prompt_ids_U[u], action_ids=tok_BA[b, :n], logprobs=logp_BA[b, :n],
                    text=tokenizer.decode(tok_BA[b, :n], skip_special_tokens=True), hit_limit=b in cut)
             for b, (u, n) in enumerate(zip(src_B.tolist(), length_B.tolist()))]
 
