@@ -181,8 +181,6 @@ class Config:
     group_size: int = option(8, "G: trajectories sampled per question (the GRPO group)")
     temperature: float = option(0.7, "sampling temperature of the planner during rollouts")
     adv_scale: str = option("group", "advantage scaling: 'group' std, 'batch' std, or 'none'")
-    adv_baseline: str = option("group", "the mean subtracted: each question's 'group' (GRPO) or the whole 'batch' "
-                               "(REINFORCE++'s global baseline; the batch is then one group: section 4)")
     agg: str = option("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
     clip_low: float = option(0.2, "ratio clipped below at 1 - clip_low")
     clip_high: float = option(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
@@ -462,18 +460,6 @@ def group_advantages(rewards, group_ids, scale: str = "group", eps: float = 1e-6
             scale_by = {"group": std + eps, "batch": r_B.std() + eps, "none": 1.0}[scale]
             adv_B[idx] = (r_B[idx] - r_B[idx].mean()) / scale_by
     return adv_B
-
-
-def baseline_groups(n_traj: int, group_size: int, baseline: str = "group") -> list[int]:
-    """The group of each trajectory (trajectory i answers question i // G): 'group' = its question's G samples, whose
-    mean is the baseline (GRPO); 'batch' = one group of all, the baseline the batch's mean (REINFORCE++). Why 'batch'
-    can help a small planner: where its tool choice hardly depends on the question, a group whose samples ALL failed
-    (every one sent to the same wrong tool) is silent under GRPO, while the other kinds' groups keep pushing that
-    tool up everywhere; against the batch's mean the failed group pushes it down. In a simulation of two kinds and a
-    question-blind choice this halves the noise of the shared push relative to the push that tells the kinds apart."""
-    if baseline not in ("group", "batch"):
-        raise ValueError(f"baseline must be 'group' or 'batch', not {baseline!r}")
-    return [i // group_size if baseline == "group" else 0 for i in range(n_traj)]
 
 
 def zero_std_frac(rewards, group_ids) -> float:
@@ -1154,7 +1140,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
                                        [b.get("source") for b in batch for _ in range(G)])
 
     # ---- 3. ADVANTAGES: normalised in each group of G, broadcast to every planner turn: one row per turn ------
-    rows = build_rows(states, rewards, baseline_groups(len(states), G, cfg.adv_baseline), cfg.adv_scale, cfg.adv_unit)
+    rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)
     t1 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
     with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
@@ -3345,9 +3331,9 @@ def plot_run(cfg: Config) -> None:
 # ======== 21. The command line ==============================================================================
 # Nothing Part I needs: the flags from Config, checked, and main().
 
-CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_baseline": ("group", "batch"),
-           "adv_unit": ("trajectory", "row"), "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"),
-           "device": ("auto", "cuda", "cpu"), "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
+CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "row"),
+           "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
+           "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -581,20 +581,6 @@ def test_ids_of_any_hashable_type_and_the_five_tensor_call():
         fg.group_advantages(r, ints, scale="grouped")
 
 
-def test_a_batch_baseline_makes_a_group_that_all_failed_speak():
-    # question 0's two samples both failed, question 1's split: GRPO leaves question 0 silent, the batch's mean does not
-    rewards = [0.0, 0.0, 1.0, 0.0]
-    assert fg.baseline_groups(4, 2) == [0, 0, 1, 1] and fg.baseline_groups(4, 2, "batch") == [0, 0, 0, 0]
-    grpo = fg.group_advantages(rewards, fg.baseline_groups(4, 2))
-    batch = fg.group_advantages(rewards, fg.baseline_groups(4, 2, "batch"))
-    assert grpo[0] == grpo[1] == 0 and grpo[2] > 0 > grpo[3]
-    r = torch.tensor(rewards)
-    assert torch.allclose(batch, (r - r.mean()) / (r.std() + 1e-6)) and batch[0] < 0 and batch.sum().abs() < 1e-6
-    assert fg.parse_config(["--adv-baseline", "batch"]).adv_baseline == "batch"
-    with pytest.raises(ValueError):
-        fg.baseline_groups(4, 2, "question")
-
-
 def test_batch_scale_is_trls_std_of_all_rewards():
     # one informative group of 16 among zero-variance ones: centred / std(ALL rewards), as TRL's scale_rewards='batch'
     r = torch.tensor([1.0] * 4 + [0.0] * 12 + [1.0] * 16 + [0.0] * 16)
