@@ -143,17 +143,14 @@ class Config:
     adapter: str = option("", "a trained LoRA adapter folder (e.g. runs/x/checkpoint-100) for --ask/--eval/training")
     fixed_base_url: str = option("", "OpenAI-compatible URL for the fixed roles; empty = frozen base in-process")
     fixed_model: str = option("", "model name served at --fixed-base-url")
-    judge: str = option("rule", "reward: 'rule' (numbers/normalised text) or 'llm' (structured verdict, rule fallback)")
-    judge_base_url: str = option("", "OpenAI-compatible URL of the LLM judge (empty = the fixed-role engine)")
-    judge_model: str = option("", "model name of the LLM judge")
+    judge: str = option("rule", "reward: 'rule' (numbers/normalised text) or 'llm' (the fixed-role engine's verdict, "
+                        "rule fallback)")
     api_key_env: str = option("OPENAI_API_KEY", "name of the env variable holding the API key (never printed)")
     request_timeout_s: float = option(60.0, "timeout of one remote request (a timed-out request is not retried)")
     device: str = option("auto", "'auto' (cuda if available), 'cuda' or 'cpu'")
-    dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu; float32 keeps the small "
-                        "early LoRA changes that bf16 outputs round away (LoRA weights are float32 either way)")
+    dtype: str = option("auto", "base weights: 'auto' = bfloat16 on cuda, float32 on cpu (keeps small LoRA updates)")
     load_in_4bit: bool = option(False, "QLoRA: load the base in 4-bit NF4 with bitsandbytes (CUDA only)")
-    gradient_checkpointing: bool = option(True, "trade compute for memory in the update: without it, micro-batches of "
-                                          "16k tokens of Qwen2.5-1.5B need ~66 GB (README)")
+    gradient_checkpointing: bool = option(True, "trade compute for memory in the update (README: Memory)")
     phase_timeout_s: float = option(300.0, "deadline of each rollout phase (one batch of remote calls, the tool calls)")
     # --- data ---
     train_file: str = option("data/train/combined_train.parquet", "training parquet from prepare_data.py")
@@ -173,14 +170,12 @@ class Config:
     tool_tips: bool = option(True, "tools describe their limitations and tips too (--no-tool-tips: shorter prompts)")
     max_new_tokens: int = option(256, "longest planner action, in tokens")
     fixed_max_tokens: int = option(512, "longest output of a fixed role or a tool's LLM call")
-    memory_chars: int = option(2000, "every string in a tool result is cut to this many characters in memory")
     tool_timeout_s: float = option(10.0, "wall-clock limit of one tool call (Python sandbox, web requests)")
     tool_workers: int = option(8, "tool calls running at once")
     # --- rollout and Flow-GRPO ---
     batch_size: int = option(4, "B: questions per training step")
     group_size: int = option(8, "G: trajectories sampled per question (the GRPO group)")
     temperature: float = option(0.7, "sampling temperature of the planner during rollouts")
-    adv_scale: str = option("group", "advantage scaling: 'group' std, 'batch' std, or 'none'")
     agg: str = option("turn", "loss aggregation: 'turn' (paper), 'token-mean' (AgentFlow/verl), 'seq-mean-token-mean'")
     clip_low: float = option(0.2, "ratio clipped below at 1 - clip_low")
     clip_high: float = option(0.3, "ratio clipped above at 1 + clip_high (asymmetric, 'clip-higher')")
@@ -189,10 +184,8 @@ class Config:
     ppo_epochs: int = option(1, "passes over each rollout batch")
     num_minibatches: int = option(1, "optimizer steps per pass (the batch is split by trajectory)")
     micro_batch_size: int = option(4, "turn rows per forward/backward (gradient accumulation inside a minibatch)")
-    max_tokens_per_micro_batch: int = option(16384, "and padded tokens per forward/backward (verl's dynamic batch "
-                                             "size): long rows go in fewer per micro-batch; 0 = rows only")
-    rollout_tokens: int = option(65536, "KV cache of one decode batch, rows x (prompt + new tokens) at most: more "
-                                 "rows are decoded in consecutive chunks; 0 = one batch")
+    max_tokens_per_micro_batch: int = option(16384, "and padded tokens per forward/backward (verl's dynamic bsz)")
+    rollout_tokens: int = option(65536, "KV cache of a decode batch, rows x (prompt + new tokens); 0 = one batch")
     clip_ratio_c: float = option(3.0, "dual clip (verl's): for A < 0 the loss stops at -c*A past ratio c; 0 = off")
     adv_unit: str = option("trajectory", "advantages over a group's 'trajectory's (paper) or turn 'row's (AgentFlow)")
     # --- optimisation ---
@@ -232,9 +225,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False),
 }
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
-# rule-based stand-ins play every frozen role (the reward measures the plan alone). A step costs its prompt tokens:
-# a micro-batch of 8 rows is one question's group (G=4 x 2 turns), whose prompts share all up to their memory.
-# 24 SFT steps and the KL: the faster variants (10-16 SFT steps, no KL, lr 1e-4) learned in none of 3 seeds (README).
+# rule-based stand-ins play every frozen role (the reward measures the plan alone). 8 rows per micro-batch: one
+# question's group (G=4 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed (README).
 # 24 GRPO steps: at 12, seeds stopped on Wikipedia twice while the turn-dependent part was still being learned.
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3, lr=5e-5,
                                  kl_coef=0.1, sft_steps=24, max_steps=24, eval_every=8, save_every=8, eval_limit=24,
@@ -246,8 +238,8 @@ def tool_names(cfg: Config) -> list[str]:
 
 
 def agent_options(cfg: Config) -> dict:  # solve_batch's keyword arguments
-    return dict(max_turns=cfg.max_turns, verify=cfg.verify, analysis=cfg.analysis, memory_chars=cfg.memory_chars,
-                tool_workers=cfg.tool_workers, scripted=cfg.scripted_roles)
+    return dict(max_turns=cfg.max_turns, verify=cfg.verify, analysis=cfg.analysis, tool_workers=cfg.tool_workers,
+                scripted=cfg.scripted_roles)
 
 
 # Model and tool text reaches terminals and logs: its control characters (ESC, C1's CSI: sequences that rewrite the
@@ -988,13 +980,13 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
 
 
 def solve_batch(questions: list[str], *, planner: Callable[[list[str], list[AgentState]], list], frozen: Engine,
-                tools: dict, max_turns: int = 5, memory_chars: int = 2000, tool_workers: int = 8, verify: bool = True,
-                analysis: bool = True, timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
+                tools: dict, max_turns: int = 5, tool_workers: int = 8, verify: bool = True, analysis: bool = True,
+                timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
     """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis;
     scripted: the rule-based executor and answer writer (the tools get theirs from make_tools). planner(prompts,
     states) -> an output per live trajectory, a string or a Sample (its .text): a trained planner reads the prompts
     (the states s_t as text), a scripted one (--plan-tools) the states themselves (question, turns so far)."""
-    states = [AgentState(question=q, memory=Memory(max_chars=memory_chars)) for q in questions]
+    states = [AgentState(question=q, memory=Memory()) for q in questions]
     with timed(timings, "fixed", frozen):
         for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
             st.analysis = text
@@ -1141,7 +1133,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], frozen
                                        [b.get("source") for b in batch for _ in range(G)])
 
     # ---- 3. ADVANTAGES: normalised in each group of G, broadcast to every planner turn: one row per turn ------
-    rows = build_rows(states, rewards, [i // G for i in range(len(states))], cfg.adv_scale, cfg.adv_unit)
+    rows = build_rows(states, rewards, [i // G for i in range(len(states))], unit=cfg.adv_unit)
     t1 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step's updates
     with MODEL_LOCK:  # (as in rollout) no late frozen-role call may switch the adapter off during the update
@@ -2736,20 +2728,16 @@ def build_system(cfg: Config, device: str, *, trainable: bool):
     # a bad corpus file fails before the model loads
     corpus = prepare_data.read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
-
-    def remote(flag: str, url: str, name: str, max_tokens: int) -> OpenAIEngine:
-        return probe_server(OpenAIEngine(url, name, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
-                                         phase_timeout_s=cfg.phase_timeout_s, max_tokens=max_tokens), flag)
-
     if cfg.fixed_base_url:
-        frozen = remote("--fixed-base-url", cfg.fixed_base_url, cfg.fixed_model or cfg.model, cfg.fixed_max_tokens)
+        engine = OpenAIEngine(cfg.fixed_base_url, cfg.fixed_model or cfg.model, api_key_env=cfg.api_key_env,
+                              timeout_s=cfg.request_timeout_s, phase_timeout_s=cfg.phase_timeout_s,
+                              max_tokens=cfg.fixed_max_tokens)
+        frozen = probe_server(engine, "--fixed-base-url")
     else:
         frozen = LocalEngine(model, tokenizer, use_adapter=False, max_tokens=cfg.fixed_max_tokens,
                              max_batch_tokens=cfg.rollout_tokens)
     frozen.phase_timeout_s = cfg.phase_timeout_s  # also the tool phase's deadline (solve_batch)
     judge = None if cfg.judge == "rule" else frozen
-    if judge and cfg.judge_base_url:
-        judge = remote("--judge-base-url", cfg.judge_base_url, cfg.judge_model or cfg.fixed_model, 256)
     tools = make_tools(tool_names(cfg), frozen, timeout_s=cfg.tool_timeout_s, tips=cfg.tool_tips, wiki_corpus=corpus,
                        scripted=cfg.scripted_roles)
     return model, tokenizer, frozen, tools, judge
@@ -2835,8 +2823,7 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
 # and how much it logs, how fast and in what precision it runs (bf16 may go on in float32), never what a step computes.
 RESUME_SAFE = ("resume", "preset", "max_steps", "save_every", "log_rollouts", "output_dir", "eval_limit", "val_file",
                "eval_every", "device", "dtype", "gradient_checkpointing", "micro_batch_size", "tool_workers",
-               "max_tokens_per_micro_batch", "rollout_tokens", "request_timeout_s", "fixed_base_url", "judge_base_url",
-               "api_key_env")
+               "max_tokens_per_micro_batch", "rollout_tokens", "request_timeout_s", "fixed_base_url", "api_key_env")
 
 
 def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[Path]:
@@ -3332,7 +3319,7 @@ def plot_run(cfg: Config) -> None:
 # ======== 21. The command line ==============================================================================
 # Nothing Part I needs: the flags from Config, checked, and main().
 
-CHOICES = {"agg": AGGREGATIONS, "adv_scale": ("group", "batch", "none"), "adv_unit": ("trajectory", "row"),
+CHOICES = {"agg": AGGREGATIONS, "adv_unit": ("trajectory", "row"),
            "judge": ("rule", "llm"), "old_logprobs": ("recompute", "captured"), "device": ("auto", "cuda", "cpu"),
            "dtype": ("auto", "bfloat16", "float32"), "preset": ("", *PRESETS)}
 
