@@ -1858,9 +1858,9 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_ou
 # learns it), and run(), which never crashes the rollout: an error becomes a value the planner can react to.
 
 
-# --- Wall-clock timeouts for blocking library calls (`wikipedia` sets no timeout of its own)
 def call_with_timeout(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs), or TimeoutError after timeout_s (its thread is abandoned until its socket returns)."""
+    """fn(*args, **kwargs), or TimeoutError after timeout_s (its thread is abandoned until its socket returns): a
+    wall clock for blocking library calls (`wikipedia` sets no timeout of its own)."""
     try:
         return in_daemon_thread(lambda: fn(*args, **kwargs)).result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
@@ -1872,10 +1872,10 @@ def _short_error(e: BaseException, max_chars: int = 300) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:max_chars]
 
 
-# --- Retrieval: a few passages, not a page: overlapping word windows ranked by BM25 (no model, no key).
 def chunk_words(text: str, size: int = 200, overlap: int = 20) -> list[str]:
-    """Windows of `size` words, each sharing `overlap` words with the next, so that a sentence cut at a border is
-    whole in one of them: chunk_words("a b c d e", size=3, overlap=1) -> ['a b c', 'c d e']."""
+    """Retrieval reads a few passages, not a page: these windows, ranked by BM25 (no model, no key). Windows of `size`
+    words, each sharing `overlap` words with the next, so that a sentence cut at a border is whole in one of them:
+    chunk_words("a b c d e", size=3, overlap=1) -> ['a b c', 'c d e']."""
     if size <= 0 or not 0 <= overlap < size:
         raise ValueError(f"need size > 0 and 0 <= overlap < size, got size={size}, overlap={overlap}")
     words = [w[i:i + 20] for w in text.split() for i in range(0, len(w), 20)]  # no 2 MB "word" (minified JSON, CJK)
@@ -1911,7 +1911,7 @@ def bm25_top_k(query: str, chunks: list[str], k: int = 5) -> list[int]:
     return sorted(range(len(chunks)), key=lambda i: (-scores[i], i))[:max(0, k)]
 
 
-# --- Scripted roles (--scripted-roles): exact, rule-based stand-ins for every frozen LLM role, each doing what a
+# Scripted roles (--scripted-roles): exact, rule-based stand-ins for every frozen LLM role, each doing what a
 # capable model would do with the plan it is given. A 135M executor, coder or reader fails right plans for reasons
 # that are not the plan's; with these the reward measures the PLAN alone. Still real: the planner (sampled and
 # trained), the tools' search and the sandbox that runs each program, memory, the judge and the whole update.
@@ -1953,7 +1953,6 @@ def scripted_answer(memory: Memory) -> str:
     return f"<answer>{found[-1] if found else ''}</answer>"
 
 
-# --- Tool base class
 class Tool:
     """Subclasses set the class attributes and implement run(); the planner and the executor read describe(). The
     knobs (these two, a subclass's own) are class defaults that keyword options override: Tool(engine, top_k=1)."""
@@ -2017,7 +2016,6 @@ class RAGTool(Tool):
                 f"Passages:\n{numbered}\n\nQuery: {query}\nAnswer:")
 
 
-# --- Generalist: the LLM itself, answering step by step
 class GeneralistTool(Tool):
     name = "Generalist_Solution_Generator_Tool"
     description = "Answers a question or sub-task by step-by-step reasoning with a general-purpose language model."
@@ -2035,7 +2033,6 @@ class GeneralistTool(Tool):
         return self.engine.ask(prompt, max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
 
-# --- Python coder: the LLM writes a program, the sandbox runs it
 class PythonCoderTool(Tool):
     name = "Python_Coder_Tool"
     description = ("Writes a short Python program for a computational task, runs it in a sandbox and returns the "
@@ -2082,7 +2079,6 @@ class TitleSelection(BaseModel):
     titles: list[str] = Field(description="up to 3 page titles copied exactly from the candidate list")
 
 
-# --- Wikipedia RAG: search -> pick pages -> best passages -> grounded summary
 def _fetch_wikipedia_page(title: str) -> dict:
     """{"title", "url", "content"}, or {"title", "error"}; never raises. No auto_suggest: it may load another page."""
     try:
@@ -2168,10 +2164,9 @@ class WikipediaTool(RAGTool):
         return {"query": query, "pages": pages, **({} if read else {"error": "none of the pages could be read"})}
 
 
-# --- Web RAG: fetch one URL -> visible text -> best passages -> grounded answer
-# A model-chosen URL reaches whatever this host can (localhost, cloud metadata): only http(s) here; production should
-# also refuse private and loopback addresses (the tests' stand-in servers listen on loopback).
-
+# Web RAG: fetch one URL -> visible text -> best passages -> grounded answer. A model-chosen URL reaches whatever this
+# host can (localhost, cloud metadata): only http(s) here; production should also refuse private and loopback
+# addresses (the tests' stand-in servers listen on loopback).
 _HTML_TYPES = ("text/html", "application/xhtml+xml")
 
 
@@ -2238,7 +2233,6 @@ class WebRAGTool(RAGTool):
                                max_tokens=self.max_tokens) or {"error": "the tool's LLM gave no answer"}
 
 
-# --- Registry
 TOOL_CLASSES = {cls.name: cls for cls in (GeneralistTool, PythonCoderTool, WikipediaTool, WebRAGTool)}
 
 
