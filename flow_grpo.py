@@ -328,9 +328,7 @@ def sample_actions(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         logp_RV = log_softmax(logits_RV / T)         the exact distribution we sample from; the update recomputes it
         tok_R = multinomial(exp(logp_RV))
         logp_BA[rows_R, step] = logp_RV[tok_R]       kept: the behaviour log-prob of each row's new token
-    The rest is speed: one batch, one KV cache. Prompts are LEFT-padded, so each row's next token goes in one column:
-        ids_UP = [[pad, pad, p0, p1],          mask_UP = [[0, 0, 1, 1],          positions: mask.cumsum - 1,
-                  [q0,  q1,  q2, q3]]                     [1, 1, 1, 1]]          as in action_logprobs
+    The rest is speed: one batch, one KV cache; prompts LEFT-padded (prefill), so each row's next token is one column.
     share_prefill: each of the U DISTINCT prompts is prefilled once (a group's G rows share their turn-1 prompt), and
     the tokens they all open with once (prefill); False: every row's whole prompt (the benchmark's baseline).
     A row that ends leaves the batch and the cache. choose(rows_R, logits_RV) -> tok_R replaces the sampling: the
@@ -3143,10 +3141,9 @@ def peak_memory(device: str, fn: Callable[[], Any]) -> tuple[float, float]:
 
 def worst_case(cfg: Config, device: str) -> None:
     """--benchmark --model qwen2.5-1.5b-shape: peak memory and time of the worst rollout (the last turn's planner call,
-    every row at max_new_tokens) and update (pi_ref, forward/backward, optimizer step). On CUDA at 28 layers, measured;
-    on CPU at 2 and 4 layers, lengths / 16, the update on the biggest micro-batch and the rollout on the first chunk,
-    a layer's cost extrapolated to 28 and lengths x 16 (said so). Weights and AdamW state: exact; LoRA gradients are
-    also in the scaled peak (an over-estimate on CPU)."""
+    every row at max_new_tokens) and update (pi_ref, forward/backward, optimizer step). CUDA: measured at 28 layers.
+    CPU: 2 and 4 layers at lengths / 16 (the biggest micro-batch, the first decode chunk), a layer's cost extrapolated
+    to 28 and lengths x 16; weights and AdamW state exact, LoRA gradients in the scaled peak (an over-estimate)."""
     shrink, layers = (1, [28]) if device == "cuda" else (16, [2, 4])
     cfg = dataclasses.replace(cfg, dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype,  # the GPU's precision
                               max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch // shrink,
@@ -3218,15 +3215,11 @@ def save_png(path: Path, steps: list[int], series: dict[str, list[float]], ylabe
 
 def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: int = 8, max_new_tokens: int = 8,
                        lr: float = 2e-2, turns: int = 1) -> list:
-    """The tiny model on a toy task: mean reward per step. The trainer's own sampling, advantages, loss and update, so a
-    rising curve shows the update's sign and scale are right. lr 2e-2: higher, a solved seed (all advantages 0) can
-    drift back on Adam's scaled-up KL gradient.
-    turns=1: reward = the share of digits in the action (d1).
-    turns=2: 'look up a number, then say it in words'. Turn 2's prompt holds turn 1's action, and its one token must
-    NOT be a digit: reward = d1 * part2, ONE number per trajectory, its advantage broadcast to both turns' rows; per
-    step (reward, d1, part2). Turn 1's digits drift into turn 2 (a small model's output moves along one direction
-    for every prompt): only turn 2's own rows pull it back (test_learning_toy_two_turns_turn2_learns_from_its_own_rows).
-    agg 'token-mean': under 'turn' turn 2's one token weighs as much as turn 1's eight and slows turn 1."""
+    """The tiny model on a toy task: mean reward per step, with the trainer's own sampling, advantages, loss and update
+    (a rising curve: the update's sign and scale are right). turns=1: reward = the share of digits in the action (d1).
+    turns=2: turn 2's prompt holds turn 1's action and its one token must NOT be a digit: reward = d1 * part2, one
+    number per trajectory broadcast to both turns' rows; per step (reward, d1, part2). agg 'token-mean': under 'turn'
+    turn 2's one token weighs as much as turn 1's eight. lr 2e-2: higher, a solved seed drifts back on Adam's KL."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
                  gradient_checkpointing=False, agg="turn" if turns == 1 else "token-mean",
