@@ -2716,7 +2716,7 @@ def probe_server(engine: OpenAIEngine, flag: str) -> OpenAIEngine:
 
 def build_system(cfg: Config, device: str, *, trainable: bool):
     """Policy, tokenizer, the frozen roles' engine (--fixed-base-url, else the policy's base: adapter off), tools and
-    the LLM judge (None: --judge rule; the frozen engine unless --judge-base-url names its own server)."""
+    the LLM judge (None: --judge rule; else the frozen engine)."""
     # a bad corpus file fails before the model loads
     corpus = prepare_data.read_corpus(cfg.wiki_corpus) if cfg.wiki_corpus else None
     model, tokenizer = load_policy(cfg, device, trainable=trainable)
