@@ -3218,8 +3218,9 @@ def toy_learning_curve(seed: int = 0, steps: int = 30, batch: int = 4, group: in
     """The tiny model on a toy task: mean reward per step, with the trainer's own sampling, advantages, loss and update
     (a rising curve: the update's sign and scale are right). turns=1: reward = the share of digits in the action (d1).
     turns=2: turn 2's prompt holds turn 1's action and its one token must NOT be a digit: reward = d1 * part2, one
-    number per trajectory broadcast to both turns' rows; per step (reward, d1, part2). agg 'token-mean': under 'turn'
-    turn 2's one token weighs as much as turn 1's eight. lr 2e-2: higher, a solved seed drifts back on Adam's KL."""
+    number per trajectory broadcast to both turns' rows; per step (reward, d1, part2). Turn 1's digits drift into turn
+    2 (a small model's output moves one way for every prompt): only turn 2's own rows pull it back. agg 'token-mean':
+    under 'turn' turn 2's one token weighs as much as turn 1's eight. lr 2e-2: higher, a solved seed drifts back."""
     cfg = Config(model="tiny", device="cpu", seed=seed, batch_size=batch, group_size=group, lr=lr, warmup_steps=0,
                  max_steps=steps, micro_batch_size=batch * group * turns, lora_r=8, lora_alpha=16, temperature=1.0,
                  gradient_checkpointing=False, agg="turn" if turns == 1 else "token-mean",
