@@ -227,9 +227,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
 # rule-based stand-ins play every frozen role (the reward measures the plan alone). 16 rows per micro-batch: one
 # question's group (G=8 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed (README).
-# G=8: the tool choice is nearly one choice shared by every state, so one noisy step's push at turn 2 moves turn 1
-# too; with G=4 a learned plan could be lost that way. 16 steps at lr 8e-5: Adam moves a weight at most ~lr a step,
-# so this keeps the budget (steps x lr) of the 24 steps at 5e-5 that G=4 needed.
+# G=8: the tool choice is nearly one choice shared by every state, so a noisy step's push at turn 2 moves turn 1 too
+# and can undo a plan just learned; more samples per update make that rarer. 16 steps at lr 8e-5: Adam moves a weight
+# about lr a step, so the budget (steps x lr) is that of 24 steps at 5e-5 (README: Results).
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3,
                                  group_size=8, lr=8e-5, kl_coef=0.1, sft_steps=24, max_steps=16, eval_every=8,
                                  save_every=8, eval_limit=24, micro_batch_size=16, output_dir="runs/scripted-roles")
