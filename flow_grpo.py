@@ -228,7 +228,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # rule-based stand-ins play every frozen role (the reward measures the plan alone). 16 rows per micro-batch: one
 # question's group (G=8 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed (README).
 # G=8: the tool choice is nearly one choice shared by every state, so a noisy step's push at turn 2 moves turn 1 too
-# and can undo a plan just learned; more samples per update make that rarer. 12 steps at lr 8e-5 fit 20 minutes on 2
+# and can undo a plan just learned; more samples per update make that rarer. 12 steps at lr 8e-5 take ~20 minutes on 2
 # cores; a larger lr over fewer steps (8 at 1.2e-4) let its first steps send every state to one tool (README).
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3,
                                  group_size=8, lr=8e-5, kl_coef=0.1, sft_steps=24, max_steps=12, eval_every=6,
