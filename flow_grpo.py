@@ -160,6 +160,7 @@ class Config:
     eval_every: int = option(50, "training: greedy held-out accuracy per kind every N steps and at step 0 (0 = off)")
     plan_tools: str = option("", "--eval of a scripted planner: tool A at turn 1, B at 2 ('A,B'): what a plan can win")
     scripted_roles: bool = option(False, "rule-based stand-ins for the frozen LLM roles: the reward measures the plan")
+    sub_goal_first: bool = option(False, "the plan writes its sub-goal before its tool (default: the tool first)")
     wiki_corpus: str = option("", "offline Wikipedia: JSONL of {title, text} pages searched with BM25 (no network)")
     # --- the agent ---
     tools: str = option("Generalist_Solution_Generator_Tool,Python_Coder_Tool,Wikipedia_RAG_Search_Tool,"
@@ -215,14 +216,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                   gradient_checkpointing=False, eval_every=0,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. A strong KL (0.3) to the warm
-    # start keeps RL from moving every question to one tool; float32 on a GPU too: bf16 rounds small updates away.
+    # start keeps RL from moving every question to one tool. The sub-goal before the tool: the question's words, which
+    # tell a sum from a lookup, come just before the choice. sft_lr 3e-4: the warm start's tool choice ends nearer
+    # even than at 1e-3 (README). float32 on a GPU too: bf16 rounds small updates away.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
-                lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=1e-3, tool_timeout_s=5.0,
-                tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False),
+                lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=3e-4, tool_timeout_s=5.0,
+                tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False,
+                sub_goal_first=True),
 }
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
 # rule-based stand-ins play every frozen role (the reward measures the plan alone). 16 rows per micro-batch: one
@@ -231,8 +235,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 # and can undo a plan just learned; more samples per update make that rarer. 12 steps at lr 8e-5 take ~20 minutes on 2
 # cores; a larger lr over fewer steps (8 at 1.2e-4) let its first steps send every state to one tool (README).
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3,
-                                 group_size=8, lr=8e-5, kl_coef=0.1, sft_steps=24, max_steps=12, eval_every=6,
-                                 save_every=6, eval_limit=24, micro_batch_size=16, output_dir="runs/scripted-roles")
+                                 group_size=8, lr=8e-5, kl_coef=0.1, sft_steps=24, sft_lr=1e-3, max_steps=12,
+                                 eval_every=6, save_every=6, eval_limit=24, micro_batch_size=16,
+                                 sub_goal_first=False, output_dir="runs/scripted-roles")
 
 
 def tool_names(cfg: Config) -> list[str]:
@@ -241,7 +246,7 @@ def tool_names(cfg: Config) -> list[str]:
 
 def agent_options(cfg: Config) -> dict:  # solve_batch's keyword arguments
     return dict(max_turns=cfg.max_turns, verify=cfg.verify, analysis=cfg.analysis, tool_workers=cfg.tool_workers,
-                scripted=cfg.scripted_roles)
+                scripted=cfg.scripted_roles, sub_goal_first=cfg.sub_goal_first)
 
 
 # Model and tool text reaches terminals and logs: its control characters (ESC, C1's CSI: sequences that rewrite the
@@ -741,21 +746,25 @@ def parse_structured(text: Any, schema: type[BaseModel]) -> Optional[BaseModel]:
     return None
 
 
-def schema_instruction(schema: type[BaseModel]) -> str:
-    """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings."""
+def schema_instruction(schema: type[BaseModel], first: tuple[str, ...] = ()) -> str:
+    """The sentence appended to a prompt that asks for JSON: field names, types and one-line meanings (`first`: the
+    fields to list first, in that order; the others follow in the schema's order)."""
     spec = schema.model_json_schema()
-    lines = [f'- "{k}" ({v.get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
-             f'{v.get("description", "")}' for k, v in spec.get("properties", {}).items()]
+    props = spec.get("properties", {})
+    order = [*first, *(k for k in props if k not in first)]
+    lines = [f'- "{k}" ({props[k].get("type", "any")}, {"required" if k in spec.get("required", []) else "optional"}): '
+             f'{props[k].get("description", "")}' for k in order]
     return "\n\nReply with exactly one JSON object and nothing else. Its fields:\n" + "\n".join(lines)
 
 
 class NextStep(BaseModel):
     """The planner's action a_t: THE text Flow-GRPO trains (unconstrained: a small model skips the optional fields).
-    The step number, copied from the prompt, then the tool: chosen before any free text, the token limit cannot cut
-    it, and greedy evaluation chooses in the state sampling does (not after an exact copy of the question that sampling
-    rarely makes). Why the step: a small model's tool choice is nearly ONE choice shared by all states (SmolLM2: an
-    update raising Python at turn 2 raised it at turn 1 by 0.87 of that), so turn 2's lesson overwrote turn 1's. The
-    digit just before the tool name is a feature the adapter can learn to tell the turns apart by (README: Results)."""
+    A small model's tool choice is nearly ONE choice shared by all states (SmolLM2: an update raising Python at turn 2
+    raised it at turn 1 by 0.87 of that), so what the plan writes just before the tool name is what the adapter can
+    tell states apart by. Default: the step number, copied from the prompt, then the tool: the digit tells the turns
+    apart (the scripted-roles preset), and the token limit cannot cut the tool off. --sub-goal-first (the cpu preset):
+    the step, the sub-goal (the question's words, as the warm start writes it), then the tool: the words tell a sum
+    from a lookup (README: Results)."""
     step: int = Field(default=0, description="the number of this step, as in 'This is step N'")
     tool_name: str = Field(description="exactly one tool name from the list")
     sub_goal: str = Field(description="what this one step must achieve")
@@ -770,6 +779,13 @@ class NextStep(BaseModel):
             return handler(value)
         except ValidationError:
             return 0
+
+
+def plan_json(step: int, tool_name: str, sub_goal: str, sub_goal_first: bool = False) -> str:
+    """A plan as the warm start writes it: '{"step": 1, "tool_name": ..., "sub_goal": ...}', or the sub-goal first."""
+    pair = {"sub_goal": sub_goal, "tool_name": tool_name} if sub_goal_first else {"tool_name": tool_name,
+                                                                                   "sub_goal": sub_goal}
+    return json.dumps({"step": step, **pair})
 
 
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
@@ -853,7 +869,8 @@ def analysis_prompt(question: str, tools: dict) -> str:
             f"Question: {question}\n\nAvailable tools:\n{describe_tools(tools)}")
 
 
-def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int) -> str:
+def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, turn: int, max_turns: int,
+                   sub_goal_first: bool = False) -> str:
     """The state s_t. Everything the planner may condition on is in this text - memory and tool outputs
     included - which is why each turn can be trained on its own prompt with nothing masked inside it."""
     return (f"You are the planner of a problem-solving agent. Choose the single best next step.\n\n"
@@ -861,7 +878,7 @@ def planner_prompt(question: str, analysis: str, tools: dict, memory: Memory, tu
             f"Available tools:\n{describe_tools(tools)}\n\nMemory of previous steps:\n{memory.to_text()}\n\n"
             f"This is step {turn} of at most {max_turns}. Pick exactly one tool from the list and a sub-goal it "
             f"can reach now; build on the memory instead of repeating a step that already worked."
-            + schema_instruction(NextStep))
+            + schema_instruction(NextStep, ("step", "sub_goal") if sub_goal_first else ()))
 
 
 def executor_prompt(question: str, plan: NextStep, tool) -> str:
@@ -981,11 +998,13 @@ def run_step(tools: dict, plan: Optional[NextStep], args: Optional[dict], memory
 
 def solve_batch(questions: list[str], *, planner: Callable[[list[str], list[AgentState]], list], frozen: Engine,
                 tools: dict, max_turns: int = 5, tool_workers: int = 8, verify: bool = True, analysis: bool = True,
-                timings: Optional[dict] = None, scripted: bool = False) -> list[AgentState]:
+                timings: Optional[dict] = None, scripted: bool = False,
+                sub_goal_first: bool = False) -> list[AgentState]:
     """The agent on every question in lockstep; verify=False: all max_turns turns; analysis=False: no query analysis;
-    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools). planner(prompts,
-    states) -> an output per live trajectory, a string or a Sample (its .text): a trained planner reads the prompts
-    (the states s_t as text), a scripted one (--plan-tools) the states themselves (question, turns so far)."""
+    scripted: the rule-based executor and answer writer (the tools get theirs from make_tools); sub_goal_first: the
+    plan format the prompt asks for (NextStep). planner(prompts, states) -> an output per live trajectory, a string or
+    a Sample (its .text): a trained planner reads the prompts (the states s_t as text), a scripted one (--plan-tools)
+    the states themselves (question, turns so far)."""
     states = [AgentState(question=q, memory=Memory()) for q in questions]
     with timed(timings, "fixed", frozen):
         for st, text in zip(states, analyse(questions, frozen, tools) if analysis else []):
@@ -998,7 +1017,8 @@ def solve_batch(questions: list[str], *, planner: Callable[[list[str], list[Agen
             break
         # 1) PLAN: one batched call for every live trajectory - the only trained step.
         with timed(timings, "planner") as account:
-            prompts = [planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns) for st in live]
+            prompts = [planner_prompt(st.question, st.analysis, tools, st.memory, turn, max_turns, sub_goal_first)
+                       for st in live]
             outputs = planner(prompts, live)
             account.count(outputs)
         texts = [getattr(o, "text", o) for o in outputs]
@@ -1169,10 +1189,11 @@ def sft_loss(model, prompt_ids_list: list[torch.Tensor], action_ids_list: list[t
 
 def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dict], cfg: Config) -> list[float]:
     """--sft-steps (the header's SFT -> RL): each step, B new questions (kinds dealt in turn) with their exact turn-1
-    rollout prompts -> {"step": 1, "tool_name": t, "sub_goal": question} + EOS for EVERY tool t: the fit is uniform
-    over tools, none taught or preferred when RL starts. With --max-turns > 1 turn 2's prompts too ("step": 2), after
-    one real step with a tool drawn per question (else the planner repeats its memory's tool). One forward per question
-    (not --micro-batch-size rows): its prompts share all up to the memory, run once. Own AdamW, lr decayed to 0."""
+    rollout prompts -> {"step": 1, "tool_name": t, "sub_goal": question} + EOS (plan_json: in the preset's order) for
+    EVERY tool t: the fit is uniform over tools, none taught or preferred when RL starts. With --max-turns > 1 turn 2's
+    prompts too ("step": 2), after one real step with a tool drawn per question (else the planner repeats its memory's
+    tool). One forward per question (not --micro-batch-size rows): its prompts share all up to the memory, run once.
+    Own AdamW, lr decayed to 0."""
     names = list(tools)
     kinds = [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
@@ -1192,12 +1213,12 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
             for turns, q, t, st in zip(states, pool, texts, firsts):
                 turns.append((q, t, st.memory, 2))
         pairs = [(*state, name) for turns in states for state in turns for name in names]  # question-major
-        prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, m, turn, cfg.max_turns)),
+        prompt_ids = [tokenizer(render_chat(tokenizer, planner_prompt(q, t, tools, m, turn, cfg.max_turns,
+                                                                      cfg.sub_goal_first)),
                                 add_special_tokens=False, return_tensors="pt")["input_ids"][0]
                       for q, t, m, turn, _ in pairs]
-        actions = [torch.tensor(tokenizer(json.dumps({"step": turn, "tool_name": name, "sub_goal": q}),
-                                          add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-                   for q, _, _, turn, name in pairs]
+        actions = [torch.tensor(tokenizer(plan_json(turn, name, q, cfg.sub_goal_first), add_special_tokens=False)
+                                ["input_ids"] + [tokenizer.eos_token_id]) for q, _, _, turn, name in pairs]
         total = 0.0
         n_tokens = sum(len(a) for a in actions)
         seq_logp = []

@@ -3672,6 +3672,27 @@ def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch
             assert all(('"Step 1"' in texts[i]) == (turn == 2) for i in rows)
 
 
+def test_sub_goal_first_reaches_the_prompt_the_warm_start_and_the_agent(monkeypatch):
+    cfg = fg.Config(model="tiny", device="cpu", batch_size=2, sft_steps=1, sft_lr=1e-3, max_turns=1, analysis=False,
+                    tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool", sub_goal_first=True)
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
+    seen, real = [], fg.sft_loss
+    monkeypatch.setattr(fg, "sft_loss", lambda m, p, a, n: seen.append((p, a)) or real(m, p, a, n))
+    fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(4)], cfg)
+    plans = [tok.decode(a[:-1]) for _, acts in seen for a in acts]
+    assert len(plans) == 4 and all(list(json.loads(p)) == ["step", "sub_goal", "tool_name"] for p in plans)
+    assert plans[0] == fg.plan_json(1, "Generalist_Solution_Generator_Tool", json.loads(plans[0])["sub_goal"], True)
+    asked = []  # the rollout asks for that order too: the warm start fits the very prompt the agent shows
+    fg.solve_batch([json.loads(plans[0])["sub_goal"]], planner=lambda ps, _: asked.extend(ps) or [plans[0]],
+                   frozen=RoleEngine(), tools=tools, **fg.agent_options(cfg))
+    assert tok.decode(seen[0][0][0]) == fg.render_chat(tok, asked[0])
+    for first, prompt in ((True, asked[0]), (False, fg.planner_prompt("q", "", tools, fg.Memory(), 1, 1))):
+        fields = prompt[prompt.index("Its fields:"):]
+        assert (fields.index('"sub_goal"') < fields.index('"tool_name"')) == first
+        assert fields.index('"step"') < fields.index('"justification"')  # the other fields keep their order
+
+
 def test_no_analysis_skips_the_analyst_and_leaves_its_notes_out_of_the_prompts():
     class Counting(RoleEngine):
         def _complete(self, prompts, max_tokens, schema):
