@@ -763,8 +763,8 @@ class NextStep(BaseModel):
     raised it at turn 1 by 0.87 of that), so what the plan writes just before the tool name is what the adapter can
     tell states apart by. Default: the step number, copied from the prompt, then the tool: the digit tells the turns
     apart (the scripted-roles preset), and the token limit cannot cut the tool off. --sub-goal-first (the cpu preset):
-    the step, the sub-goal (the question's words, as the warm start writes it), then the tool: the words tell a sum
-    from a lookup (README: Results)."""
+    the step, the sub-goal (the question's words, as the warm start writes it), then the tool, chosen just after the
+    words that tell a sum from a lookup (with the tool first, every cpu run ended on one tool: README, Results)."""
     step: int = Field(default=0, description="the number of this step, as in 'This is step N'")
     tool_name: str = Field(description="exactly one tool name from the list")
     sub_goal: str = Field(description="what this one step must achieve")
@@ -783,9 +783,9 @@ class NextStep(BaseModel):
 
 def plan_json(step: int, tool_name: str, sub_goal: str, sub_goal_first: bool = False) -> str:
     """A plan as the warm start writes it: '{"step": 1, "tool_name": ..., "sub_goal": ...}', or the sub-goal first."""
-    pair = {"sub_goal": sub_goal, "tool_name": tool_name} if sub_goal_first else {"tool_name": tool_name,
-                                                                                   "sub_goal": sub_goal}
-    return json.dumps({"step": step, **pair})
+    order = ("sub_goal", "tool_name") if sub_goal_first else ("tool_name", "sub_goal")
+    values = {"tool_name": tool_name, "sub_goal": sub_goal}
+    return json.dumps({"step": step, **{k: values[k] for k in order}})
 
 
 # The field descriptions are shown to the models (schema_instruction) and enforced by a server's JSON schema.
