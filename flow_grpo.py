@@ -218,13 +218,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. A strong KL (0.3) to the warm
     # start keeps RL from moving every question to one tool. The sub-goal before the tool: with the tool first, every
     # run ended on one tool (README). sft_lr 3e-4: the warm start's tool choice swings less than at 1e-3 (one seed).
-    # float32 on a GPU too: bf16 rounds small updates away.
+    # 8 warmup steps: Adam's first steps move every weight by ~lr, however noisy its one-batch estimates; without them
+    # a learned split could swing back onto one tool (README). float32 on a GPU too: bf16 rounds small updates away.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
                 "Wikipedia_RAG_Search_Tool", verify=False, analysis=False, tool_tips=False, batch_size=6, group_size=4,
                 max_turns=1, max_new_tokens=48, fixed_max_tokens=96, micro_batch_size=4, temperature=1.0, kl_coef=0.3,
-                lr=3e-5, warmup_steps=0, max_steps=24, save_every=8, sft_steps=32, sft_lr=3e-4, tool_timeout_s=5.0,
+                lr=3e-5, warmup_steps=8, max_steps=24, save_every=8, sft_steps=32, sft_lr=3e-4, tool_timeout_s=5.0,
                 tool_workers=24, eval_every=8, eval_limit=24, output_dir="runs/cpu", gradient_checkpointing=False,
                 sub_goal_first=True),
 }
@@ -237,7 +238,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3,
                                  group_size=8, lr=8e-5, kl_coef=0.1, sft_steps=24, sft_lr=1e-3, max_steps=12,
                                  eval_every=6, save_every=6, eval_limit=24, micro_batch_size=16,
-                                 sub_goal_first=False, output_dir="runs/scripted-roles")
+                                 sub_goal_first=False, warmup_steps=0, output_dir="runs/scripted-roles")
 
 
 def tool_names(cfg: Config) -> list[str]:
