@@ -218,8 +218,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. A strong KL (0.3) to the warm
     # start keeps RL from moving every question to one tool. The sub-goal before the tool: with the tool first, every
     # run ended on one tool (README). sft_lr 3e-4: the warm start's tool choice swings less than at 1e-3 (one seed).
-    # 8 warmup steps: Adam's first steps move every weight by ~lr, however noisy its one-batch estimates; without them
-    # a learned split could swing back onto one tool (README). float32 on a GPU too: bf16 rounds small updates away.
+    # 8 warmup steps: Adam's first steps move every weight by ~lr, however noisy the gradient; with them the split came
+    # later and held to the end (README: Results). float32 on a GPU too: bf16 rounds small updates away.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
