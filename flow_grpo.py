@@ -217,7 +217,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. A strong KL (0.3) to the warm
     # start keeps RL from moving every question to one tool. The sub-goal before the tool: with the tool first, every
-    # run ended on one tool (README). sft_lr 3e-4: the warm start's tool choice swings less than at 1e-3 (one seed).
+    # run ended on one tool (git log). sft_lr 3e-4: the warm start's tool choice swung less than at 1e-3 (1 seed).
     # 8 warmup steps: Adam's first steps move every weight by ~lr, however noisy the gradient; with them the split came
     # later and held to the end (README: Results). float32 on a GPU too: bf16 rounds small updates away.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
@@ -231,10 +231,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
 # rule-based stand-ins play every frozen role (the reward measures the plan alone). 16 rows per micro-batch: one
-# question's group (G=8 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed (README).
+# question's group (G=8 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed.
 # G=8: the tool choice is nearly one choice shared by every state, so a noisy step's push at turn 2 moves turn 1 too
 # and can undo a plan just learned; more samples per update make that rarer. 12 steps at lr 8e-5 take ~20 minutes on 2
-# cores; a larger lr over fewer steps (8 at 1.2e-4) let its first steps send every state to one tool (README).
+# cores; a larger lr over fewer steps (8 at 1.2e-4) let its first steps send every state to one tool (seeds: git log).
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3,
                                  group_size=8, lr=8e-5, kl_coef=0.1, sft_steps=24, sft_lr=1e-3, max_steps=12,
                                  eval_every=6, save_every=6, eval_limit=24, micro_batch_size=16,
@@ -765,7 +765,7 @@ class NextStep(BaseModel):
     tell states apart by. Default: the step number, copied from the prompt, then the tool: the digit tells the turns
     apart (the scripted-roles preset), and the token limit cannot cut the tool off. --sub-goal-first (the cpu preset):
     the step, the sub-goal (the question's words, as the warm start writes it), then the tool, chosen just after the
-    words that tell a sum from a lookup (with the tool first, every cpu run ended on one tool: README, Results)."""
+    words that tell a sum from a lookup (with the tool first, every cpu run ended on one tool; seeds: git log)."""
     step: int = Field(default=0, description="the number of this step, as in 'This is step N'")
     tool_name: str = Field(description="exactly one tool name from the list")
     sub_goal: str = Field(description="what this one step must achieve")

@@ -588,7 +588,7 @@ FACTS = (
     ("population", "{name} has a population of {v}.", "What is the population of {name}", (1000, 9999)),
     ("founded", "{name} was founded in the year {v}.", "What is the founding year of {name}", (1100, 1899)),
     ("elevation", "{name} lies at an elevation of {v} metres.", "What is the elevation of {name}", (11, 99)),
-)  # not "{name} has {v} bridges": SmolLM2's tool reader answered that with the population (README, headroom)
+)  # not "{name} has {v} bridges": SmolLM2's tool reader answered that with the population (--plan-tools)
 SYLLABLES = ("vor", "lund", "kes", "sim", "ar", "tav", "rin", "mol", "dra", "zen", "bri", "os", "fal", "gor", "quil",
              "wex", "ply", "sor", "nev", "ul", "tam", "brek", "hul", "yst")
 

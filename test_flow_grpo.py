@@ -523,7 +523,7 @@ def update_peak_mb(mode: str, prompt_len: int = 4096, action_len: int = 256, voc
 
 
 def test_action_logprobs_peaks_under_a_quarter_of_a_naive_log_softmax():
-    """The README's memory row (`python -m pytest -q -s -k naive_log_softmax`): a 4,096-token prompt, a 256-token
+    """Prints both peaks with `python -m pytest -q -s -k naive_log_softmax`: a 4,096-token prompt, a 256-token
     action, Qwen's 151,936-token vocabulary; each side in its own process (~8 GB for the naive one, ~25 s)."""
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS: the memory bound went untested")
