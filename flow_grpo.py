@@ -231,7 +231,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
 # rule-based stand-ins play every frozen role (the reward measures the plan alone). 16 rows per micro-batch: one
-# question's group (G=8 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed.
+# question's group (G=8 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed (git log).
 # G=8: the tool choice is nearly one choice shared by every state, so a noisy step's push at turn 2 moves turn 1 too
 # and can undo a plan just learned; more samples per update make that rarer. 12 steps at lr 8e-5 take ~20 minutes on 2
 # cores; a larger lr over fewer steps (8 at 1.2e-4) let its first steps send every state to one tool (seeds: git log).
