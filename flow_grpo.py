@@ -219,7 +219,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # start keeps RL from moving every question to one tool. The sub-goal before the tool: with the tool first, every
     # run ended on one tool (git log). sft_lr 3e-4: the warm start's tool choice swung less than at 1e-3 (1 seed).
     # 8 warmup steps: Adam's first steps move every weight by ~lr, however noisy the gradient; with them the split came
-    # later and held to the end (README: Results). float32 on a GPU too: bf16 rounds small updates away.
+    # later and held to the end (git log). float32 on a GPU too: bf16 rounds small updates away.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
