@@ -20,11 +20,13 @@ normalises it inside the group of G trajectories sampled for the same question:
     J(theta) = E[ 1/G sum_i 1/T_i sum_t 1/|a_it| sum_j min(rho_itj A_i, clip(rho_itj, 1-eps_lo, 1+eps_hi) A_i)
                   - beta * KL_k3(pi_theta || pi_ref) ]
     rho_itj = pi_theta(a_itj | s_it, a_it<j) / pi_old(a_itj | s_it, a_it<j)          (per token, not per sequence)
-    KL_k3 per token = exp(ref_logp - logp) - (ref_logp - logp) - 1                     (unbiased, always >= 0)
+    KL_k3 per token = exp(ref_logp - logp) - (ref_logp - logp) - 1     (>= 0; on samples of pi_theta its mean estimates
+                      KL(pi_theta || pi_ref), while its mean gradient is KL(pi_ref || pi_theta)'s: both pull to pi_ref)
+    and verl's dual clip (on by default, --clip-ratio-c): for A_i < 0 a token's term stops at c A_i once rho_itj > c
 
 Every turn is trained with ITS OWN prompt s_it, which already holds the memory and tool outputs as text, so no
 environment token ever sits inside an action and nothing needs masking but padding. pi_ref is the policy RL starts
-from: the base (the LoRA adapter switched off) or, after an SFT warm start, the warm start's adapter swapped in.
+from: the base (the LoRA adapter switched off) or, after an SFT warm start or from --adapter, that adapter swapped in.
 
 HOW TO READ IT. Two parts. Part I is the method end to end, in the order a step runs; a first reading can stop
 where Part II begins (its banner says so). Part II is the machinery Part I calls by name; each of its sections opens
@@ -58,7 +60,7 @@ DELIBERATE SIMPLIFICATIONS (and why)
   * Reward: the rule judge (answer extraction, numbers, normalised text, math-verify); --judge llm falls back to it.
   * The frozen roles decode under their JSON schema (llguidance in-process, response_format on a server); the
     planner never does: its log-probs must be those of the distribution it samples from.
-  * LoRA dropout 0: a stochastic training forward would make pi/pi_old != 1 before any update (the clip fires on noise).
+  * LoRA dropout 0: with it a pi_old from another pass (captured, minibatches, epochs) would be != pi before an update.
   * The executor emits a JSON tool call validated against the tool's input schema; model-written code only runs
     in a sandboxed subprocess (run_python). No Google search (a proprietary SDK): Wikipedia and web-page RAG, BM25.
   * The Python tool also reads what earlier steps found (Memory.findings): a small executor cannot carry a number
@@ -200,7 +202,7 @@ class Config:
     lora_dropout: float = option(0.0, "LoRA dropout (0: keeps ratio == 1 before the first update; see header)")
     lora_targets: str = option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "modules that get LoRA")
     sft_steps: int = option(0, "SFT warm start: steps on format-only plans (every tool per question) before GRPO")
-    sft_lr: float = option(1e-4, "learning rate of the SFT warm start (its own AdamW, decayed linearly to 0)")
+    sft_lr: float = option(1e-4, "learning rate of the SFT warm start (its own AdamW, decayed linearly)")
     # --- bookkeeping ---
     seed: int = option(42, "seed of data order, sampling and initialisation")
     output_dir: str = option("runs/flow_grpo", "metrics.jsonl, rollouts.jsonl and checkpoint-<step>/ go here")
@@ -216,10 +218,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                   gradient_checkpointing=False, eval_every=0,
                   lr=1e-3, warmup_steps=1, max_steps=3, save_every=2, tool_timeout_s=5.0, eval_limit=4),
     # SmolLM2 on the offline tools task, one turn: sums -> Python, lookups -> Wikipedia. A strong KL (0.3) to the warm
-    # start keeps RL from moving every question to one tool. The sub-goal before the tool: with the tool first, every
-    # run ended on one tool (git log). sft_lr 3e-4: the warm start's tool choice swung less than at 1e-3 (1 seed).
-    # 8 warmup steps: Adam's first steps move every weight by ~lr, however noisy the gradient; with them the split came
-    # later and held to the end (git log). float32 on a GPU too: bf16 rounds small updates away.
+    # start keeps RL from moving every question to one tool; so do the sub-goal before the tool, a gentle warm start
+    # (sft_lr 3e-4) and 8 warmup steps (Adam's first steps move every weight by ~lr, however noisy the gradient): the
+    # runs without each are in git log. float32 on a GPU too: bf16 rounds small updates away.
     "cpu": dict(model="smollm2-135m", device="cpu", dtype="float32", train_file="data/tools_task/train.parquet",
                 val_file="data/tools_task/val.parquet", wiki_corpus="data/tools_task/corpus.jsonl",
                 kinds="arithmetic,lookup", tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool,"
@@ -231,10 +232,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The two-turn lesson (compound: Wikipedia, then Python), all three kinds: SmolLM2 is the trained planner, EXACT
 # rule-based stand-ins play every frozen role (the reward measures the plan alone). 16 rows per micro-batch: one
-# question's group (G=8 x 2 turns), whose prompts share all up to their memory. Faster warm starts failed (git log).
-# G=8: the tool choice is nearly one choice shared by every state, so a noisy step's push at turn 2 moves turn 1 too
-# and can undo a plan just learned; more samples per update make that rarer. 12 steps at lr 8e-5 take ~20 minutes on 2
-# cores; a larger lr over fewer steps (8 at 1.2e-4) let its first steps send every state to one tool (seeds: git log).
+# question's group (G=8 x 2 turns). G=8: the tool choice is nearly one choice shared by every state, so a noisy step's
+# push at turn 2 moves turn 1 too; more samples per update make that rarer. Faster recipes failed (git log).
 PRESETS["scripted-roles"] = dict(PRESETS["cpu"], kinds="", scripted_roles=True, max_turns=2, batch_size=3,
                                  group_size=8, lr=8e-5, kl_coef=0.1, sft_steps=24, sft_lr=1e-3, max_steps=12,
                                  eval_every=6, save_every=6, eval_limit=24, micro_batch_size=16,
@@ -521,7 +520,7 @@ def grpo_loss(logp_BA: torch.Tensor, old_logp_BA: torch.Tensor, ref_logp_BA: tor
     if clip_ratio_c:  # for A < 0 the loss is max(rho, clip(rho)) * |A|: capped once rho > c
         pg_loss_BA = torch.where(adv_B1 < 0, torch.minimum(pg_loss_BA, -clip_ratio_c * adv_B1), pg_loss_BA)
     delta_BA = torch.where(mask_BA, ref_logp_BA - logp_BA, 0.0).clamp(-20, 20)
-    kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 estimator of KL(pi_theta || pi_ref), >= 0
+    kl_BA = (torch.exp(delta_BA) - delta_BA - 1).clamp(max=10)  # k3 (verl's low_var_kl), >= 0: see the header
     loss = ((pg_loss_BA + kl_coef * kl_BA) * w_BA).sum()
     with torch.no_grad():
         n = mask_BA.sum().clamp(min=1).item()
@@ -671,7 +670,7 @@ def fill_old_and_ref(model, rows: list[Row], cfg: Config, step: int, ref_weights
     for mb in minibatches(rows, cfg, step, epoch=0):
         if cfg.old_logprobs == "recompute" and (cfg.ppo_epochs > 1 or cfg.num_minibatches > 1):
             fill_logprobs(model, mb, attr="old_logp", **kw)
-        if cfg.kl_coef > 0:  # pi_ref, the policy RL starts from: the base (adapter off), or the warm start's adapter
+        if cfg.kl_coef > 0:  # pi_ref, the policy RL starts from: the base (adapter off), or checkpoint-0's adapter
             ref = adapter_disabled(model) if ref_weights is None else adapter_weights(model, ref_weights)
             fill_logprobs(model, mb, attr="ref_logp", policy=ref, **kw)
 
@@ -1194,7 +1193,7 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
     EVERY tool t: the fit is uniform over tools, none taught or preferred when RL starts. With --max-turns > 1 turn 2's
     prompts too ("step": 2), after one real step with a tool drawn per question (else the planner repeats its memory's
     tool). One forward per question (not --micro-batch-size rows): its prompts share all up to the memory, run once.
-    Own AdamW, lr decayed to 0."""
+    Own AdamW, lr decayed linearly; a step whose gradient is not finite is skipped (checkpoint-0 is pi_ref)."""
     names = list(tools)
     kinds = [r.get("source") for r in rows]
     order = random.Random(f"sft-{cfg.seed}").getrandbits(32)  # its own order of the questions, not the RL steps'
@@ -1228,13 +1227,15 @@ def sft_warm_start(model, tokenizer, frozen: Engine, tools: dict, rows: list[dic
             loss, rows_logp = sft_loss(model, prompt_ids[i:i + n], actions[i:i + n], n_tokens)  # prompts share a prefix
             loss.backward()
             total, seq_logp = total + loss.item(), seq_logp + rows_logp
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # linear decay to 0
-        optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.param_groups[0]["lr"] = cfg.sft_lr * (1 - (step - 1) / cfg.sft_steps)  # the last: sft_lr / sft_steps
+        skip = "" if torch.isfinite(norm) else " (its gradient is not finite: skipped)"
+        if not skip:
+            optimizer.step()
         losses.append(total)
         # P(tool | prompt, sub-goal) averaged over the questions, before the update: RL never learns a rarely tried tool
         choice = torch.tensor(seq_logp).view(-1, len(names)).softmax(1).mean(0).tolist()
-        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}; tool choice "
+        log(f"sft step {step}/{cfg.sft_steps}: loss {total:.4f}{skip}; tool choice "
             + ", ".join(f"{n.split('_')[0]} {p:.2f}" for n, p in zip(names, choice)))
     return losses
 
@@ -1258,10 +1259,11 @@ def train(cfg: Config) -> Path:
         trim_jsonl(out_dir / name, start if start else -1)  # (the step-0 evaluation is written again)
     if last and start >= cfg.max_steps:
         log(f"{last} is at step {start} already: nothing to train up to --max-steps {cfg.max_steps}")
-    if cfg.sft_steps > 0 and last is None:  # the warm start, once: checkpoint-0
-        sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
+    if (cfg.sft_steps > 0 or cfg.adapter) and last is None:  # checkpoint-0, once: the policy RL starts from
+        if cfg.sft_steps > 0:  # the warm start (on top of --adapter, if given)
+            sft_warm_start(model, tokenizer, frozen, tools, data_rows, cfg)
         last = save_checkpoint(out_dir, 0, model, optimizer, scheduler, cfg, train_data)
-    ref_weights = warm_start_weights(out_dir, cfg)  # pi_ref: the warm start's adapter; None: the base
+    ref_weights = warm_start_weights(out_dir, cfg)  # pi_ref: checkpoint-0's adapter; None: the base
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
@@ -2600,7 +2602,7 @@ true, false. You are the executor, the verifier. Is the memory enough to answer 
 the final answer inside <answer></answer>, e.g. <answer>144</answer>. 12^2=144, 2**10=1024, 1/2=0.5, 0123456789.
 """
 
-# --model qwen2.5-1.5b-shape[:LAYERS]: random weights in Qwen2.5-1.5B-Instruct's public shape (DESIGN.md), the tiny
+# --model qwen2.5-1.5b-shape[:LAYERS]: random weights in Qwen2.5-1.5B-Instruct's public shape (config.json), the tiny
 # tokenizer: its memory and time measured without the Hub (--benchmark), LAYERS fewer layers to extrapolate from on CPU.
 SHAPE_MODEL = "qwen2.5-1.5b-shape"
 QWEN_1_5B = dict(
@@ -2926,11 +2928,12 @@ class GracefulInterrupt:
 
 
 def warm_start_weights(out_dir: Path, cfg: Config) -> Optional[dict]:
-    """pi_ref's adapter: the warm start's (checkpoint-0) when the run has one and a KL term; None: the base."""
+    """pi_ref's adapter: checkpoint-0's (the warm start, or --adapter) when the run has one and a KL term; None: the
+    base. A KL to the base would pull a policy trained elsewhere (--adapter) back to the base from the first step."""
     path = out_dir / "checkpoint-0" / "adapter_model.safetensors"
-    used = cfg.sft_steps > 0 and cfg.kl_coef > 0
+    used = (cfg.sft_steps > 0 or bool(cfg.adapter)) and cfg.kl_coef > 0
     if used and not path.is_file():
-        raise SystemExit(f"error: {path} (the warm start, pi_ref of the KL term) is missing; start a new run")
+        raise SystemExit(f"error: {path} (pi_ref of the KL term: where RL started) is missing; start a new run")
     return load_file(str(path)) if used else None
 
 

@@ -40,7 +40,7 @@ import pytest
 import torch
 import wikipedia
 from pydantic import BaseModel
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import flow_grpo as fg
 import prepare_data
@@ -3632,6 +3632,38 @@ def test_sft_warm_start_logs_the_tool_choice_per_question_averaged(monkeypatch, 
     monkeypatch.setattr(fg, "sft_loss", fake)
     fg.sft_warm_start(model, tok, RoleEngine(), tools, [{"question": f"What is {i} times 7?"} for i in range(9)], cfg)
     assert "sft step 1/1: loss 0.0000; tool choice Generalist 0.80, Python 0.20" in capsys.readouterr().err
+
+
+def test_sft_warm_start_skips_a_step_whose_gradient_is_not_finite(monkeypatch, capsys):
+    # A NaN written into the warm start would stay in checkpoint-0, pi_ref of the whole run: the step is skipped.
+    cfg = fg.Config(model="tiny", device="cpu", batch_size=2, sft_steps=1, sft_lr=1e-2, max_turns=1, analysis=False,
+                    tools="Generalist_Solution_Generator_Tool,Python_Coder_Tool")
+    model, tok = fg.load_policy(cfg, "cpu", trainable=True)
+    tools = fg.make_tools(fg.tool_names(cfg), RoleEngine())
+    rows = [{"question": f"What is {i} times 7?"} for i in range(4)]
+    lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    before, real = lora(), fg.sft_loss
+    with monkeypatch.context() as m:
+        m.setattr(fg, "sft_loss", lambda *a: (lambda loss, logp: (loss * float("nan"), logp))(*real(*a)))
+        fg.sft_warm_start(model, tok, RoleEngine(), tools, rows, cfg)
+    assert "(its gradient is not finite: skipped)" in capsys.readouterr().err
+    assert all(torch.equal(p, before[n]) for n, p in lora().items())
+    fg.sft_warm_start(model, tok, RoleEngine(), tools, rows, cfg)  # a finite step moves them
+    assert not all(torch.equal(p, before[n]) for n, p in lora().items())
+
+
+def test_training_from_an_adapter_keeps_it_as_pi_ref_in_checkpoint_0(tmp_path, sample_data):
+    # RL from --adapter X without a warm start: pi_ref is X (checkpoint-0), not the base, so the KL does not pull a
+    # policy trained elsewhere back to the base; at step 1, before any update, pi_theta == pi_ref: KL 0.
+    first, second = tmp_path / "first", tmp_path / "second"
+    fg.train(smoke_cfg(first, sample_data, max_steps=0, sft_steps=2, sft_lr=3e-2))  # X: moved off the base
+    x = load_file(str(first / "checkpoint-0" / "adapter_model.safetensors"))
+    cfg = smoke_cfg(second, sample_data, max_steps=1, adapter=str(first / "checkpoint-0"), kl_coef=0.1)
+    fg.train(cfg)
+    ref = fg.warm_start_weights(second, cfg)
+    assert ref.keys() == x.keys() and all(torch.equal(ref[k], x[k]) for k in x)
+    step1 = json.loads((second / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step1["step"] == 1 and step1["updates"] > 0 and step1["kl"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_sft_warm_start_fits_format_only_plans_on_the_rollout_prompt(monkeypatch):
