@@ -1249,6 +1249,7 @@ def train(cfg: Config) -> Path:
     out_dir = Path(cfg.output_dir)
     data_rows = prepare_data.load_questions(cfg.train_file, kinds=cfg.kinds)
     kinds = [r["source"] for r in data_rows]  # batches deal them in turn (batch_indices)
+    eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds) if cfg.eval_every else []
     train_data = prepare_data.data_fingerprint(data_rows)  # --resume refuses a training file rebuilt with other rows
     last = resume_point(out_dir, cfg, train_data)  # the checkpoint to resume from; None: step 0
     lock = lock_output_dir(out_dir)  # held while this process lives: two runs in one folder would mix their logs
@@ -1267,7 +1268,6 @@ def train(cfg: Config) -> Path:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"policy {cfg.model} on {device}: {n_train:,} trainable LoRA parameters; {len(data_rows)} training questions;"
         f" B={cfg.batch_size} x G={cfg.group_size}; output in {out_dir}")
-    eval_rows = prepare_data.load_questions(cfg.val_file, cfg.eval_limit, cfg.kinds) if cfg.eval_every else []
     held_out = functools.partial(held_out_metrics, model, tokenizer, frozen, tools, judge, eval_rows, cfg)
     if eval_rows and start == 0:  # the curve's first point: the warm start (or the base), before any GRPO step
         append_jsonl(out_dir / "metrics.jsonl", [{"step": 0, **held_out()}])
@@ -1430,6 +1430,7 @@ class OpenAIEngine(Engine):
                         if self.mode == mode:  # many threads may meet the same refusal: step down once per mode
                             self.mode = self.MODES[self.MODES.index(mode) + 1]
                             self.refusal = f"({mode} refused with HTTP {e.status_code})"
+                            log(f"[engine] {self.base_url}: {mode} refused (HTTP {e.status_code}): {self.mode} now")
                     continue
                 retry = e.status_code in (429, 500, 502, 503, 504)
                 kind = f"HTTP {e.status_code}"
@@ -1671,29 +1672,35 @@ def _sandbox_init(limits: str, status_fd: str, code_fd: str) -> None:
     import resource
     import sys
     os.write(int(status_fd), b"init ")  # "init" alone: init itself was killed (an OOM kill may pick it)
-    ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the snippet, same uid, can't ptrace us or open /proc/1/fd
-    for kind, want in ast.literal_eval(limits).items():  # never above what we inherited
-        hard = resource.getrlimit(kind)[1]
-        resource.setrlimit(kind, (want, want) if hard == resource.RLIM_INFINITY else (min(want, hard),) * 2)
-    with open(int(code_fd), "rb") as code:  # not in argv: ps shows argv to every user, and caps its size
-        pathlib.Path("snippet.py").write_bytes(code.read())
-    try:  # libseccomp knows this CPU's syscall numbers and builds the filter; without it, none (the probe logs it)
-        seccomp = ctypes.CDLL("libseccomp.so.2")  # first a new session keyring: the trainer's is inherited
-        ctypes.CDLL(None).syscall(seccomp.seccomp_syscall_resolve_name(b"keyctl"), 1, None)  # JOIN_SESSION_KEYRING
-        seccomp.seccomp_init.restype = ctypes.c_void_p
-        ctx = ctypes.c_void_p(seccomp.seccomp_init(0x7FFF0000))  # SCMP_ACT_ALLOW what no rule names
-        for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup", b"inotify_init",
-                     b"inotify_init1", b"fanotify_init"):  # inotify: 128 per user, all runs' (and watches on us)
-            seccomp.seccomp_rule_add(ctx, 0x50001, seccomp.seccomp_syscall_resolve_name(name), 0)  # EPERM
-        seccomp.seccomp_load(ctx)
-    except OSError:
-        pass
-    if (pid := os.fork()) == 0:  # should the exec fail, the traceback ends this child with status 1
-        os.close(int(status_fd))
-        os.execv(sys.executable, [sys.executable, "-I", "-u", "-X", "utf8", "snippet.py"])
-    while (reaped := os.wait())[0] != pid:
-        pass
-    os.write(int(status_fd), str(reaped[1]).encode())
+    me = os.getpid()
+    try:
+        ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the snippet, same uid, can't ptrace us or open /proc/1/fd
+        for kind, want in ast.literal_eval(limits).items():  # never above what we inherited
+            hard = resource.getrlimit(kind)[1]
+            resource.setrlimit(kind, (want, want) if hard == resource.RLIM_INFINITY else (min(want, hard),) * 2)
+        with open(int(code_fd), "rb") as code:  # not in argv: ps shows argv to every user, and caps its size
+            pathlib.Path("snippet.py").write_bytes(code.read())
+        try:  # libseccomp knows this CPU's syscall numbers and builds the filter; without it, none (the probe logs it)
+            seccomp = ctypes.CDLL("libseccomp.so.2")  # first a new session keyring: the trainer's is inherited
+            ctypes.CDLL(None).syscall(seccomp.seccomp_syscall_resolve_name(b"keyctl"), 1, None)  # JOIN_SESSION_KEYRING
+            seccomp.seccomp_init.restype = ctypes.c_void_p
+            ctx = ctypes.c_void_p(seccomp.seccomp_init(0x7FFF0000))  # SCMP_ACT_ALLOW what no rule names
+            for name in (b"keyctl", b"add_key", b"request_key", b"ptrace", b"io_uring_setup", b"inotify_init",
+                         b"inotify_init1", b"fanotify_init"):  # inotify: 128 per user, all runs' (and watches on us)
+                seccomp.seccomp_rule_add(ctx, 0x50001, seccomp.seccomp_syscall_resolve_name(name), 0)  # EPERM
+            seccomp.seccomp_load(ctx)
+        except OSError:
+            pass
+        if (pid := os.fork()) == 0:  # should the exec fail, the traceback ends this child with status 1
+            os.close(int(status_fd))
+            os.execv(sys.executable, [sys.executable, "-I", "-u", "-X", "utf8", "snippet.py"])
+        while (reaped := os.wait())[0] != pid:
+            pass
+        os.write(int(status_fd), str(reaped[1]).encode())
+    except BaseException:  # init's own error (its traceback goes to stderr): not a kill, whatever the exit code
+        if os.getpid() == me:  # (not a child whose exec failed: init reaps its status 1)
+            os.write(int(status_fd), b"failed")
+        raise
 
 
 # Read once, at import: inspect reads the file on disk, which its user may be editing while a run goes on.
@@ -1803,8 +1810,8 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
                     proc.send_signal(signal.SIGTERM) if jail else os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         status = os.pread(status_fd, 64, 0).split()  # b"init <wait status>"; b"init" alone: init was killed
-        rc = (os.waitstatus_to_exitcode(int(status[1])) if len(status) == 2 else -signal.SIGKILL if status
-              else proc.returncode)
+        rc = (1 if status[1:] == [b"failed"] else os.waitstatus_to_exitcode(int(status[1])) if len(status) == 2
+              else -signal.SIGKILL if status else proc.returncode)  # (1: init failed, its error the last stderr line)
         overflow = max(os.fstat(out_fd).st_size, os.fstat(err_fd).st_size) >= SANDBOX_MAX_FILE_BYTES
         stdout, stderr = _read_capped(out_fd, max_chars, True), _read_capped(err_fd, max_chars, False)
     finally:
@@ -2319,7 +2326,7 @@ VERBS = {"is", "are", "was", "were", "has", "had", "have", "equals", "became", "
 FOLLOWERS = {"in", "on", "at", "from", "during", "for", "with", "who", "which", "that", "since"}
 HEDGES = re.compile(r"\b(?:or|nor|either|neither|not|no|never|and|but|than|between|except|if|when|unless|up to|"
                     r"at (?:least|most)|may|might|could|maybe|perhaps|possibly|probably|likely|seems|guess|unsure|"
-                    r"unknown|wait|instead|rather|approximately|nearly|almost)\b|n't\b")
+                    r"unknown|wait|instead|rather|approximately|nearly|almost|wrong|incorrect|false|mistaken?)\b|n't\b")
 
 
 def last_boxed(text: str) -> Optional[str]:
@@ -2369,7 +2376,7 @@ def to_number(text: str, words_after: bool = False) -> Optional[Fraction]:
         words += r"|squared|cubed|factorial|mod|if|sin|cos|tan|log|ln|sqrt|root|at|to|up|not)s?\b)[a-z]{2}[a-zA-Z\s./]*"
         symbol = r"(?![KMBT]n?\b|BCE?\b|AD\b)(?=[a-z]?[A-Z])[a-zA-Z]{1,3}"  # kW, mL, V, USD; not K, M, B, T, an era
         m = re.fullmatch(r"(\S+)\s+(?:" + words + "|" + symbol + r")(\^\{?\d\}?)?", text)
-        text = m.group(1) if m else ""
+        text = m.group(1) if m and not HEDGES.search(text) else ""  # not "12 is wrong", "12 probably"
     t = re.sub(r"^(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}$", r"\1\2/\3", re.sub(r"\\?%$", "", strip_latex(text)))
     number = r"(?=\.?\d)(\d{1,3}(,\d{3})+|\d*)(\.\d+)?([eE][-+]?\d{1,3})?"
     if not re.fullmatch(rf"-?{number}(/{number})?", t):
@@ -2428,7 +2435,7 @@ for line in sys.stdin:
     same = bool(parsed[0] and parsed[1]) and verify(*parsed, float_rounding=15, timeout_seconds=None)  # not 6:
     print(int(same), file=out, flush=True)  # else 1.414214 would be sqrt(2), though 0.33 is not 1/3
 """
-_math_worker = {}  # "proc": the running worker
+_math_worker = {}  # "proc": the running worker; "warned": it failed to start once, and we said so
 _math_lock = threading.Lock()  # calls from threads take turns
 
 
@@ -2443,7 +2450,13 @@ def math_verify_equal(gold: str, pred: str) -> bool:
         try:
             with contextlib.suppress(BrokenPipeError):  # it died
                 # a new worker's imports may take a minute, but only its "ready" line waits that long
-                if not first or select.select([proc.stdout], [], [], 120)[0] and proc.stdout.readline() == "ready\n":
+                ready = not first or (select.select([proc.stdout], [], [], 120)[0]
+                                      and proc.stdout.readline() == "ready\n")
+                if not ready and not _math_worker.get("warned"):  # an import error: every call would say False
+                    log("warning: math-verify did not start (`python -c 'import math_verify'` says why); until it "
+                        "does, math answers match only as text")
+                    _math_worker["warned"] = True
+                if ready:
                     print(json.dumps([gold, pred]), file=proc.stdin, flush=True)
                     if select.select([proc.stdout], [], [], SYMPY_TIMEOUT_S)[0]:
                         reply = proc.stdout.readline()
@@ -2797,7 +2810,7 @@ def save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: 
                     "rng": rng or rng_state()},
                    tmp / "trainer_state.pt")  # (the data position is the step: batch_indices)
         (tmp / "config.json").write_text(json.dumps(run_settings(cfg, train_data), indent=1))
-    except (OSError, RuntimeError) as e:  # a full disk: torch says "unexpected pos", a RuntimeError
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch's "unexpected pos", safetensors' I/O
         shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(f"error: could not write {final} ({_short_error(e, 200)}); the logs and older checkpoints are "
                          f"intact: free space, then continue with --resume") from None
@@ -2855,6 +2868,8 @@ def resume_point(out_dir: Path, cfg: Config, train_data: str = "") -> Optional[P
         if any(out_dir.glob("checkpoint-[0-9]*")):
             raise SystemExit(f"error: {out_dir} already holds checkpoints; add --resume to continue that run, "
                              f"or choose another --output-dir")
+        if (out_dir / "metrics.jsonl").is_file() and (out_dir / "metrics.jsonl").stat().st_size:
+            log(f"warning: {out_dir} holds the logs of a run that saved no checkpoint: this run replaces them")
         return None
     if (ckpt := latest_checkpoint(out_dir)) is None:
         log(f"--resume: no checkpoint in {out_dir}, starting from step 0")
@@ -2902,7 +2917,9 @@ def trim_jsonl(path: Path, max_step: int) -> None:
         with contextlib.suppress(ValueError, KeyError, TypeError):  # bytes: a torn tail may be invalid UTF-8, which
             if json.loads(line)["step"] <= max_step:  # json.loads refuses as a ValueError (UnicodeDecodeError)
                 keep.append(line.decode() + "\n")
-    path.write_text("".join(keep))
+    tmp = path.with_name(path.name + ".tmp")  # written aside, then renamed: a kill in between loses no line
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
 
 
 class GracefulInterrupt:
@@ -3372,7 +3389,8 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     if cfg.clip_ratio_c != 0 and cfg.clip_ratio_c <= 1:  # a cap <= 1 would stop every A < 0 gradient at once
         parser.error(f"--clip-ratio-c must be > 1, or 0 for off, not {cfg.clip_ratio_c!r}")
     for name in ("temperature", "max_new_tokens", "fixed_max_tokens", "batch_size", "group_size", "max_turns",
-                 "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every", "lora_r"):
+                 "micro_batch_size", "ppo_epochs", "num_minibatches", "save_every", "lora_r", "tool_timeout_s",
+                 "phase_timeout_s", "request_timeout_s"):
         if getattr(cfg, name) <= 0:  # T = 0 would divide the logits by zero in the update
             parser.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(cfg, name)!r}")
     return cfg

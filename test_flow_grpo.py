@@ -320,7 +320,8 @@ def test_cli_validation_and_single_tool():
 
 def test_bad_values_are_refused_in_one_line():
     for argv in (["--temperature", "0"], ["--max-new-tokens", "0"], ["--group-size", "-1"], ["--lora-r", "0"],
-                 ["--log-rollouts", "-1"], ["--eval-limit", "-2"], ["--sft-steps", "-1"]):
+                 ["--log-rollouts", "-1"], ["--eval-limit", "-2"], ["--sft-steps", "-1"], ["--phase-timeout-s", "0"],
+                 ["--tool-timeout-s", "-1"], ["--request-timeout-s", "0"]):
         with pytest.raises(SystemExit):
             fg.parse_config(argv)
 
@@ -1290,7 +1291,9 @@ def test_remote_malformed_reply_is_a_counted_failure(standin, reply):
 def test_remote_refused_json_schema_falls_back_to_json_object_once(standin, refusal, capsys):
     standin.default = refusing_json_schema(refusal)
     eng = fg.probe_server(fg.OpenAIEngine(standin.url, "m", backoff_s=5.0), "--fixed-base-url")  # a retry: 5 s
-    assert "--fixed-base-url" in capsys.readouterr().err.splitlines()[-1] and eng.mode == "json_object"
+    err = capsys.readouterr().err.splitlines()
+    assert "--fixed-base-url" in err[-1] and eng.mode == "json_object"
+    assert sum("json_schema refused" in line and "json_object now" in line for line in err) == 1  # said when it happens
     formats = [b["response_format"] for b in standin.seen]
     assert [f["type"] for f in formats] == ["json_schema", "json_object"]  # the refusal cost no retry
     assert formats[1]["schema"]["required"] == ["analysis", "stop_signal"]  # llama.cpp decodes under it
@@ -2223,6 +2226,36 @@ def test_no_run_reads_the_trainers_keys_or_another_runs(hostile_runs, user):
         assert result["stdout"] == "found []\n", result
 
 
+def test_the_secret_hunt_finds_a_secret_where_no_sandbox_hides_it():
+    """The probe behind the secret test's `found []` works: outside the sandbox (without its umount, which would
+    detach the host's /proc) it finds the secret in another process's environment; else `found []` proves nothing."""
+    victim = subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], "FLOW_GRPO_TEST_SECRET": "hunter2-x"})
+    try:
+        probe = "\n".join(line for line in _HUNT_SECRET.splitlines() if "umount2" not in line)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                             env={"PATH": os.environ["PATH"]}).stdout
+    finally:
+        victim.kill()
+        victim.wait(timeout=10)
+    assert f"'{victim.pid}/environ'" in out, out
+
+
+def test_the_key_hunt_finds_a_key_where_no_sandbox_hides_it():
+    """The probe behind the keys test's `found []` works: unsandboxed, in a session keyring holding the trainer's key,
+    it reads that key; else `found []` proves nothing."""
+    if not _KEY_SYSCALLS:
+        pytest.skip(f"no keyctl syscall numbers for {os.uname().machine} in this test")
+    setup = (f"import ctypes\nADD_KEY, KEYCTL = {_KEY_SYSCALLS}\nlibc = ctypes.CDLL(None)\n"
+             "libc.syscall(KEYCTL, 1, b'flowgrpo-control')\n"  # a session keyring of its own, as the trainer's
+             "added = libc.syscall(ADD_KEY, b'user', b'flowgrpo-trainer-key', b'trainer-payload', 15, -3)\n"
+             "print('no keyring ' if added < 0 else '', end='')\n")
+    probe = "\n".join(line for line in _KEYS.splitlines() if "for the next run to find" not in line)
+    out = subprocess.run([sys.executable, "-c", setup + probe], capture_output=True, text=True, timeout=60).stdout
+    if out.startswith("no keyring"):
+        pytest.skip("no keyrings on this system (a container's seccomp): nothing for a run to read")
+    assert "b'trainer-payload'" in out, out
+
+
 @USERS
 def test_nothing_of_a_run_outlives_a_trainer_killed_with_sigkill(nobody_share, user):
     """A trainer is SIGKILLed while a hostile snippet runs: its run's processes, cgroups and directory go too."""
@@ -2277,14 +2310,16 @@ def test_nobody_tests_skip_when_uid_65534_cannot_import_the_dependencies(nobody_
 
 def test_the_code_is_not_in_argv_and_may_be_large():
     """ps shows every user each process's argv, and Linux refuses an argument over 128 KiB."""
-    token = f"flowgrpo-code-{random.randrange(10**9)}"
-    code = f"x = '{token}' + '{'y' * 200_000}'\nimport time\ntime.sleep(2)\nprint(len(x))"
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(run_python, code, timeout_s=20)
-        time.sleep(1)
-        seen = _host_pids_running(token, wait_s=0)
-        result = running.result(timeout=30)
-    assert result["stdout"] == f"{200_000 + len(token)}\n" and seen == [], (result, seen)
+    token, marker = f"flowgrpo-code-{random.randrange(10**9)}", f"2.{random.randrange(10**6):06d}"
+    code = f"x = '{token}' + '{'y' * 200_000}'\nimport subprocess\nsubprocess.run(['sleep', '{marker}'])\nprint(len(x))"
+    running = fg.in_daemon_thread(lambda: run_python(code, timeout_s=20))
+    deadline = time.monotonic() + 15  # look once the snippet runs: its `sleep` shows it (the marker is not the code)
+    while not _host_pids_running(f"sleep\0{marker}", wait_s=0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running_seen = _host_pids_running(f"sleep\0{marker}", wait_s=0)
+    seen = _host_pids_running(token, wait_s=0)
+    result = running.result(timeout=30)
+    assert running_seen and result["stdout"] == f"{200_000 + len(token)}\n" and seen == [], (result, seen)
 
 
 def test_an_init_killed_as_by_the_oom_killer_reads_as_a_memory_kill():
@@ -2292,16 +2327,25 @@ def test_an_init_killed_as_by_the_oom_killer_reads_as_a_memory_kill():
     if "namespaces" in fg.sandbox_missing_layers():
         pytest.skip("this system gives the sandbox no PID namespace: its init is not PID 1")
     token = f"{random.uniform(50, 60):.6f}"
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(run_python, f"import subprocess\nsubprocess.run(['sleep', '{token}'])", timeout_s=20)
-        deadline = time.monotonic() + 10
-        while not (pids := _host_pids_running(token, wait_s=0)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        snippet = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        init = int(Path(f"/proc/{snippet}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        os.kill(init, signal.SIGKILL)
-        result = running.result(timeout=30)
+    running = fg.in_daemon_thread(lambda: run_python(f"import subprocess\nsubprocess.run(['sleep', '{token}'])",
+                                                     timeout_s=20))
+    deadline = time.monotonic() + 10
+    while not (pids := _host_pids_running(token, wait_s=0)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    snippet = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    init = int(Path(f"/proc/{snippet}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(init, signal.SIGKILL)
+    result = running.result(timeout=30)
     assert result["error"] == "killed by signal 9 (Killed, likely memory limit)" and not result["timed_out"], result
+
+
+def test_an_init_that_fails_says_why_instead_of_a_kill(monkeypatch):
+    """The sandbox's init failing on its own (here: a limit it cannot set; in the field, a fork that RLIMIT_NPROC
+    refuses) reads as its error, the last line of its traceback, not as "killed by signal 9, likely memory limit"."""
+    assert fg.run_python("print(1)")["stdout"] == "1\n"  # the layers probed before the limit is broken
+    monkeypatch.setattr(fg.resource, "RLIMIT_MSGQUEUE", 4242)  # no such resource: init's setrlimit raises
+    result = fg.run_python("print(1)", timeout_s=10)
+    assert result["error"].startswith("ValueError") and result["stdout"] == "", result
 
 
 def test_control_characters_and_bidi_overrides_are_escaped_in_logs_and_ask_output(capsys):
@@ -2381,15 +2425,14 @@ time.sleep(60)
 def test_an_fd_flood_across_forks_leaves_the_host_and_a_concurrent_run_alone():
     """200 children opening 20,000 files each once filled the host's file table (2.4 M) in 6 s, and a concurrent
     run could not start. Now each process holds at most SANDBOX_MAX_FILES, and processes are capped."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        flood = pool.submit(fg.run_python, _FD_FLOOD, timeout_s=6)
-        peak, other, start = 0.0, None, time.monotonic()
-        while not flood.done() and time.monotonic() < start + 20:
-            peak = max(peak, _file_table_use())
-            if other is None and time.monotonic() > start + 3:  # while the flood holds its files
-                other = fg.run_python("print(1)", timeout_s=5)
-            time.sleep(0.05)
-        result = flood.result(timeout=20)
+    flood = fg.in_daemon_thread(lambda: fg.run_python(_FD_FLOOD, timeout_s=6))
+    peak, other, start = 0.0, None, time.monotonic()
+    while not flood.done() and time.monotonic() < start + 20:
+        peak = max(peak, _file_table_use())
+        if other is None and time.monotonic() > start + 3:  # while the flood holds its files
+            other = fg.run_python("print(1)", timeout_s=5)
+        time.sleep(0.05)
+    result = flood.result(timeout=20)
     counts = [int(n) for n in result["stdout"].split()]
     assert counts and max(counts) <= fg.SANDBOX_MAX_FILES, result
     assert other == {**other, "stdout": "1\n", "error": None}, other
@@ -2412,11 +2455,10 @@ def test_inotify_and_message_queues_of_one_run_cannot_starve_a_concurrent_one():
     """Both are counted per uid, and every run had the same uid: one run that took them all made a concurrent
     run's inotify_init1 and mq_open fail. Now no run gets any (seccomp, RLIMIT_MSGQUEUE 0): there is none to take."""
     alone = fg.run_python(_IPC_HOG.replace("SLEEP", "0"))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        hog = pool.submit(fg.run_python, _IPC_HOG.replace("SLEEP", "60"), timeout_s=4)
-        time.sleep(1.5)
-        beside = fg.run_python(_IPC_HOG.replace("SLEEP", "0"))
-        hogged = hog.result(timeout=20)
+    hog = fg.in_daemon_thread(lambda: fg.run_python(_IPC_HOG.replace("SLEEP", "60"), timeout_s=4))
+    time.sleep(1.5)
+    beside = fg.run_python(_IPC_HOG.replace("SLEEP", "0"))
+    hogged = hog.result(timeout=20)
     assert alone["error"] is None and beside == alone, (alone, beside)
     assert hogged["stdout"] == alone["stdout"], hogged
     assert "'mq': 0" in alone["stdout"], alone
@@ -2434,6 +2476,7 @@ def test_a_timed_out_run_leaves_no_zombie_when_the_trainer_is_a_subreaper():
     children. The jail's guard kills the PID namespace's init, which unshare reaps, so none is orphaned."""
     libc = ctypes.CDLL(None)
     assert libc.prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
+    zombies = []
     try:
         result = fg.run_python("import os\nfor _ in range(3):\n    os.fork()\nwhile True:\n    pass", timeout_s=1)
         time.sleep(0.5)
@@ -3166,6 +3209,14 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>The population of Rinsorar, plus 464 is 3358.</answer>", "464", "nq", 0.0),
     ("<answer>The population of Rinsorar is 2894, plus 464.</answer>", "2894", "nq", 0.0),
     ("<answer>The population plus 464 is 3358 or 3359.</answer>", "3358", "nq", 0.0),
+    # words after a number are a unit, not a verdict on it; a sentence that calls its own claim wrong pays nothing
+    ("<answer>12 is wrong</answer>", "12", "nq", 0.0),
+    ("<answer>12 is not correct</answer>", "12", "mathhard", 0.0),
+    ("<answer>12 probably</answer>", "12", "nq", 0.0),
+    ("<answer>12 but I am not sure</answer>", "12", "nq", 0.0),
+    ("<answer>Paris is incorrect; the capital is Lyon.</answer>", "Paris", "nq", 0.0),
+    ("<answer>Jupiter is false.</answer>", "Jupiter", "nq", 0.0),
+    ("<answer>12 apples</answer>", "12", "nq", 1.0),
 ])
 def test_rule_reward_reads_sentence_answers(answer, truth, source, expected):
     fg.math_verify_equal("1", "1")  # the worker's start (imports) is not the judge's time
@@ -3401,6 +3452,14 @@ def test_rule_reward_is_fast_on_adversarial_megabyte_outputs(monkeypatch):
     assert asked and all(len(s) <= fg.SYMPY_MAX for pair in asked for s in pair)
 
 
+def test_a_math_worker_that_cannot_start_is_said_once(monkeypatch, capsys):
+    """A broken math-verify install (an import error) made every math comparison False without a word."""
+    monkeypatch.setattr(fg, "MATH_WORKER", "raise ImportError('no module named math_verify')")
+    monkeypatch.setattr(fg, "_math_worker", {})  # (the real worker, and its dict, come back after the test)
+    assert fg.math_verify_equal("1", "1") is False and fg.math_verify_equal("2", "2") is False
+    assert capsys.readouterr().err.count("warning: math-verify did not start") == 1
+
+
 def test_math_verify_works_from_threads_and_a_hung_comparison_is_killed(monkeypatch):
     # its own timeouts (SIGALRM) raise outside the main thread: rule_reward must not use them
     rows = [r for r in judge_table() if r[0] == "deepmath"][:60]
@@ -3508,7 +3567,7 @@ def test_train_writes_outputs_and_resume_reproduces_the_next_step(tmp_path, samp
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
 
-def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, sample_data):
+def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, sample_data, capsys):
     log_file = tmp_path / "metrics.jsonl"
     log_file.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')  # crash mid-write
     fg.trim_jsonl(log_file, 2)
@@ -3516,6 +3575,10 @@ def test_resume_drops_later_and_torn_log_lines_and_refuses_mixed_runs(tmp_path, 
     log_file.write_bytes('{"step": 1, "q": "Zoë"}\n{"step": 2}\n{"step": 3, "q": "Zo'.encode() + b"\xc3")  # torn
     fg.trim_jsonl(log_file, 5)  # mid-character: invalid UTF-8 (it was a UnicodeDecodeError traceback)
     assert log_file.read_text() == '{"step": 1, "q": "Zoë"}\n{"step": 2}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # written aside, then renamed: no .tmp left
+    capsys.readouterr()
+    assert fg.resume_point(tmp_path, fg.Config(model="tiny")) is None  # logs but no checkpoint: replaced, and said
+    assert "saved no checkpoint: this run replaces them" in capsys.readouterr().err
     (tmp_path / "checkpoint-2").mkdir()
     with pytest.raises(SystemExit, match="--resume"):  # a new run must not overwrite an old one's logs
         fg.train(smoke_cfg(tmp_path, sample_data, max_steps=1))
@@ -3913,6 +3976,12 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing_half
     with pytest.raises(SystemExit, match="could not write .*checkpoint-3.*--resume"):
         fg.save_checkpoint(tmp_path, 3, model, opt, sched, cfg)
     assert list(tmp_path.iterdir()) == []  # no .tmp-checkpoint-3 left behind
+    from safetensors import SafetensorError  # the adapter's weights fail first, in safetensors' own error type
+    monkeypatch.setattr(model, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)")))
+    with pytest.raises(SystemExit, match="could not write .*checkpoint-4.*--resume"):
+        fg.save_checkpoint(tmp_path, 4, model, opt, sched, cfg)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("part", ["adapter_model.safetensors", "trainer_state.pt", "config.json"])
@@ -4061,7 +4130,7 @@ def test_every_wait_in_these_tests_has_a_timeout():
     tree = ast.parse(Path(__file__).read_text())
     unbounded = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "ThreadPoolExecutor":
+        if getattr(node, "id", getattr(node, "attr", None)) == "ThreadPoolExecutor":  # a Name or an Attribute
             unbounded.append(node.lineno)
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
