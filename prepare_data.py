@@ -19,8 +19,8 @@ Every row, whatever its origin, is normalised to one schema::
     question    str   the task shown to the agent
     chain       str   empty; room for a reasoning chain (none is stored here)
     result      str   gold answer; several gold answers are joined with "; "
-    source      str   "mathhard" | "nq" | "aime24"
-    extra_info  struct{ground_truth: str (== result), idx: int (row in source)}
+    source      str   "mathhard" | "nq" | "aime24" (the tools task: "arithmetic" | "lookup" | "compound")
+    extra_info  struct{ground_truth: str (== result), idx: int (row in source; 0 for made-up questions)}
 
 Outputs::
 
@@ -34,7 +34,7 @@ Usage::
     python prepare_data.py --sample             # tiny built-in set, no network
     python prepare_data.py --tools-task         # OUT/tools_task/: the cpu preset's offline task and corpus
 
-``--sample`` writes the same two files from ~90 questions written by hand
+``--sample`` writes the same two files from 83 questions written by hand
 below, so the whole pipeline (data -> rollouts -> reward -> update) can be
 tried on a laptop without touching the network.
 """
@@ -614,14 +614,15 @@ def tools_corpus(n_towns: int, rng: random.Random) -> list[dict]:
 
 
 def arithmetic_rows(n: int, rng: random.Random, seen: set) -> list[dict]:
-    """n new arithmetic questions (not in `seen`), templates in turn."""
+    """n new arithmetic questions (their operands not in `seen`, in either order for + and *), templates in turn."""
     rows: list[dict] = []
     while len(rows) < n:
         text, op, range_a, range_b = ARITHMETIC_TEMPLATES[len(rows) % len(ARITHMETIC_TEMPLATES)]
         a, b = rng.randint(*range_a), rng.randint(*range_b)
-        if (question := text.format(a=a, b=b)) not in seen:
-            seen.add(question)
-            rows.append(make_row(question, str(op(a, b)), "arithmetic", len(rows)))
+        key = (op, *sorted((a, b))) if op in (operator.add, operator.mul) else (op, a, b)  # 'b * a' asks 'a * b'
+        if key not in seen:
+            seen.add(key)
+            rows.append(make_row(text.format(a=a, b=b), str(op(a, b)), "arithmetic", len(rows)))
     return rows
 
 
@@ -663,7 +664,7 @@ def write_corpus(docs: list[dict], path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
+        tmp.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -690,7 +691,8 @@ def load_questions(path: str, limit: int = 0, kinds: str = "") -> list[dict]:
     qa = df[["question", "result"]]
     keep = (qa.notna() & (qa.astype(str).apply(lambda col: col.str.strip()) != "")).all(axis=1)  # not None/NaN/blank
     if not keep.all():
-        print(f"{path}: dropped {int((~keep).sum())} of {len(df)} rows without a question or ground truth", file=sys.stderr)
+        print(f"{path}: dropped {int((~keep).sum())} of {len(df)} rows without a question or ground truth",
+              file=sys.stderr)
     rows = [{"id": r.get("id", i), "question": str(r["question"]), "answer": str(r["result"]),
              "source": str(r.get("source", "?"))} for i, r in enumerate(df[keep].to_dict("records"))]
     if not rows:
@@ -737,12 +739,12 @@ def ensure_sample_data(cfg, presets: dict) -> None:
     """A preset's data, built offline on first use, at the preset's own paths only (`presets`: flow_grpo's PRESETS;
     `cfg`: its Config, read for the paths, the preset and the seed)."""
     own = presets.get(cfg.preset, {})
-    built = None
     writers = (("train_file", write_dataset), ("val_file", write_dataset), ("wiki_corpus", write_corpus))
-    for i, (key, write) in enumerate(writers):
-        path = getattr(cfg, key)
-        if path and path == own.get(key) and not Path(path).exists():  # built once, only if a file is missing
-            built = built or (build_tools_task() if cfg.preset != "smoke" else build_sample(seed=cfg.seed))
+    files = [(i, getattr(cfg, key), write) for i, (key, write) in enumerate(writers)
+             if getattr(cfg, key) and getattr(cfg, key) == own.get(key)]
+    if any(not Path(path).exists() for _, path, _ in files):  # one missing: all again, split together from one seed
+        built = build_tools_task() if cfg.preset != "smoke" else build_sample(seed=cfg.seed)
+        for i, path, write in files:
             write(built[i], path)
             print(f"wrote the offline {cfg.preset} data: {path} ({len(built[i])} rows)", file=sys.stderr, flush=True)
 

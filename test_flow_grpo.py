@@ -4532,6 +4532,11 @@ def test_tools_task_is_seeded_computed_from_the_corpus_and_held_out(tmp_path, mo
     assert not {stem(r["question"]) for r in train if r["source"] != "arithmetic"} & \
         {stem(r["question"]) for r in val if r["source"] != "arithmetic"}  # no held-out (town, fact) asked in training
     assert not {r["question"] for r in train} & {r["question"] for r in val}
+    key = lambda q: (lambda a, op, b: (op, *sorted((a, b))) if op in "+*" else (op, a, b))(*q[8:-1].split(" "))
+    for seed in (17, 42):  # seed 17 once held out "What is 32 * 64?" while training asked "What is 64 * 32?"
+        tr, va, _ = prepare_data.build_tools_task(seed=seed)
+        sums = [{key(r["question"]) for r in rows if r["source"] == "arithmetic"} for rows in (tr, va)]
+        assert len(sums[1]) == 20 and not sums[0] & sums[1]
     monkeypatch.chdir(tmp_path)  # the cpu preset writes its own files on first use, and only those
     cfg = fg.parse_config(["--preset", "cpu"])
     assert cfg.model == "smollm2-135m" and cfg.sft_steps > 0 and cfg.kl_coef == 0.3 and cfg.device == "cpu"
@@ -4540,6 +4545,10 @@ def test_tools_task_is_seeded_computed_from_the_corpus_and_held_out(tmp_path, mo
     prepare_data.ensure_sample_data(cfg, fg.PRESETS)
     assert len(pd.read_parquet(cfg.val_file)) == 60 and len(pd.read_parquet(cfg.train_file)) == 600
     assert len(prepare_data.read_corpus(cfg.wiki_corpus)) == 80
+    Path(cfg.val_file).unlink()  # one file gone: the whole set again, from one seed (an odd corpus is replaced too)
+    Path(cfg.wiki_corpus).write_text('{"title": "Elsewhere", "text": "Elsewhere has a population of 5."}\n')
+    prepare_data.ensure_sample_data(cfg, fg.PRESETS)
+    assert len(prepare_data.read_corpus(cfg.wiki_corpus)) == 80 and len(pd.read_parquet(cfg.val_file)) == 60
     assert run_script("--tools-task", "--out-dir", tmp_path / "cli").returncode == 0
     assert pd.read_parquet(tmp_path / "cli" / "tools_task" / "val.parquet").equals(pd.read_parquet(cfg.val_file))
     assert (tmp_path / "cli" / "tools_task" / "corpus.jsonl").read_text() == Path(cfg.wiki_corpus).read_text()
