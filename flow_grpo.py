@@ -2318,6 +2318,7 @@ def roman_value(numeral: str) -> int:
     return sum(-v if v < after else v for v, after in zip(values, values[1:] + [0]))
 
 
+INITIALS = re.compile(r"\b[A-Za-z](?:\.\s?[A-Za-z])+\.?(?![A-Za-z])")  # 'U.S.', 'D.C.', 'J. R. R.'
 NAME_EXTRAS = re.compile(r"^(?:dr|sir|saint|king|queen|mrs?|pope) (?=\S+ \S)")  # not 'river', 'mount': Ottawa River
 # The words around a claim in a sentence (claimed): LINKS before it, VERBS or FOLLOWERS after it, no HEDGES
 LINKS = {"is", "are", "was", "were", "be", "by", "in", "on", "at", "to", "as", "about", "equals", "has", "have", "had"}
@@ -2472,6 +2473,7 @@ def answers_match(pred: str, gold: str, verify: bool = True) -> bool:
     SQuAD-normalised when both sides are words without math operators ('Paris, Texas', 'Catch-22'); math as LaTeX
     strings, or by math-verify (if verify) except where it misreads ('1 2' as 3, unbalanced braces, words, a set vs
     a tuple, case) or would build a huge number, which sympy does for hours: 10^{10^{10}}, (10^{100})!."""
+    pred, gold = (INITIALS.sub(lambda m: re.sub(r"[.\s]", "", m[0]), s) for s in (pred, gold))  # 'U.S.' is 'US'
     if (date := to_date(gold)) is not None:
         return to_date(pred) == date
     if re.fullmatch(r"(?:[A-Z]\.?){2,5}", pred) and re.fullmatch(r"[A-Z][a-z]+( ([a-z]{2,3} )?[A-Z][a-zI]+)+", gold):

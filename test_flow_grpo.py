@@ -3217,6 +3217,11 @@ def test_rule_reward_table(answer, truth, expected):
     ("<answer>Paris is incorrect; the capital is Lyon.</answer>", "Paris", "nq", 0.0),
     ("<answer>Jupiter is false.</answer>", "Jupiter", "nq", 0.0),
     ("<answer>12 apples</answer>", "12", "nq", 1.0),
+    # initials with or without their dots are one word: 'U.S.' is 'US', 'D.C.' is 'DC'
+    ("<answer>U.S.</answer>", "US", "nq", 1.0),
+    ("<answer>Washington DC</answer>", "Washington, D.C.", "nq", 1.0),
+    ("<answer>J. R. R. Tolkien</answer>", "J.R.R. Tolkien", "nq", 1.0),
+    ("<answer>U.K.</answer>", "US", "nq", 0.0),
 ])
 def test_rule_reward_reads_sentence_answers(answer, truth, source, expected):
     fg.math_verify_equal("1", "1")  # the worker's start (imports) is not the judge's time
