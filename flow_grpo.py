@@ -1809,9 +1809,13 @@ def _run_sandboxed(code: str, timeout_s: float, memory_mb: int, max_chars: int, 
                 with contextlib.suppress(ProcessLookupError):  # one killpg reaches every child left in the group
                     proc.send_signal(signal.SIGTERM) if jail else os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        status = os.pread(status_fd, 64, 0).split()  # b"init <wait status>"; b"init" alone: init was killed
-        rc = (1 if status[1:] == [b"failed"] else os.waitstatus_to_exitcode(int(status[1])) if len(status) == 2
-              else -signal.SIGKILL if status else proc.returncode)  # (1: init failed, its error the last stderr line)
+        status = os.pread(status_fd, 64, 0).split()  # what init wrote (_sandbox_init's docstring)
+        if status[1:] == [b"failed"]:  # init's own error: its traceback's last line, in stderr, says which
+            rc = 1
+        elif len(status) == 2:  # b"init <wait status>": the snippet's end
+            rc = os.waitstatus_to_exitcode(int(status[1]))
+        else:  # b"init" alone: init itself was killed; nothing: it never started
+            rc = -signal.SIGKILL if status else proc.returncode
         overflow = max(os.fstat(out_fd).st_size, os.fstat(err_fd).st_size) >= SANDBOX_MAX_FILE_BYTES
         stdout, stderr = _read_capped(out_fd, max_chars, True), _read_capped(err_fd, max_chars, False)
     finally:

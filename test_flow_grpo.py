@@ -3711,8 +3711,12 @@ def test_sft_warm_start_skips_a_step_whose_gradient_is_not_finite(monkeypatch, c
     rows = [{"question": f"What is {i} times 7?"} for i in range(4)]
     lora = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     before, real = lora(), fg.sft_loss
+    def nan_loss(*args):  # the real loss and log-probs, the loss times NaN: every gradient NaN
+        loss, logp = real(*args)
+        return loss * float("nan"), logp
+
     with monkeypatch.context() as m:
-        m.setattr(fg, "sft_loss", lambda *a: (lambda loss, logp: (loss * float("nan"), logp))(*real(*a)))
+        m.setattr(fg, "sft_loss", nan_loss)
         fg.sft_warm_start(model, tok, RoleEngine(), tools, rows, cfg)
     assert "(its gradient is not finite: skipped)" in capsys.readouterr().err
     assert all(torch.equal(p, before[n]) for n, p in lora().items())
@@ -3982,8 +3986,10 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing_half
         fg.save_checkpoint(tmp_path, 3, model, opt, sched, cfg)
     assert list(tmp_path.iterdir()) == []  # no .tmp-checkpoint-3 left behind
     from safetensors import SafetensorError  # the adapter's weights fail first, in safetensors' own error type
-    monkeypatch.setattr(model, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(SafetensorError(
-        "Error while serializing: I/O error: No space left on device (os error 28)")))
+    def adapter_full_disk(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(model, "save_pretrained", adapter_full_disk)
     with pytest.raises(SystemExit, match="could not write .*checkpoint-4.*--resume"):
         fg.save_checkpoint(tmp_path, 4, model, opt, sched, cfg)
     assert list(tmp_path.iterdir()) == []
